@@ -1,0 +1,89 @@
+"""The mmesh.ModelRuntime servicer: model-mesh's management calls, answered by the supervisor.
+
+Thin on purpose: validate the request (runtime/modelspec.py), ask the
+supervisor, build the response. Status codes come from runtime/status.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from protos import model_runtime_pb2 as pb
+from protos import model_runtime_pb2_grpc as pb_grpc
+from runtime import __version__, memory, modelspec, status
+from runtime.settings import Settings
+from runtime.supervisor import Supervisor
+
+log = logging.getLogger("mesh.management")
+
+# Methods model-mesh may forward, each with the path of the request field that
+# holds the model id (field 1: model_name / name), where mesh injects the id.
+METHOD_INFOS = {
+    "inference.GRPCInferenceService/ModelInfer": [1],
+    "inference.GRPCInferenceService/ModelMetadata": [1],
+    "inference.GRPCInferenceService/ModelReady": [1],
+}
+
+
+def minimum_capacity(default_size: int) -> int:
+    """The smallest capacity model-mesh accepts (it refuses to start below it)."""
+    return max(2 * default_size, min(512 * 2**20, 10 * default_size))
+
+
+class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
+    def __init__(self, settings: Settings, supervisor: Supervisor):
+        self.settings = settings
+        self.supervisor = supervisor
+
+    def _resolve(self, request) -> modelspec.ModelSpec:
+        return modelspec.resolve(request.modelId, request.modelType, request.modelPath,
+                                 request.modelKey, self.settings)
+
+    @status.translated
+    async def loadModel(self, request, context):
+        # The path checks walk the model's files: off the event loop.
+        spec = await asyncio.to_thread(self._resolve, request)
+        size = await self.supervisor.load(spec)
+        return pb.LoadModelResponse(sizeInBytes=size)
+
+    @status.translated
+    async def unloadModel(self, request, context):
+        await self.supervisor.unload(request.modelId)
+        return pb.UnloadModelResponse()
+
+    @status.translated
+    async def predictModelSize(self, request, context):
+        spec = await asyncio.to_thread(self._resolve, request)
+        return pb.PredictModelSizeResponse(sizeInBytes=modelspec.predicted_size(spec, self.settings))
+
+    @status.translated
+    async def modelSize(self, request, context):
+        return pb.ModelSizeResponse(sizeInBytes=await self.supervisor.model_size(request.modelId))
+
+    @status.translated
+    async def runtimeStatus(self, request, context):
+        if not self.supervisor.ready:
+            return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.STARTING)
+        await self.supervisor.purge()
+        capacity = await asyncio.to_thread(self.capacity)
+        if capacity < minimum_capacity(self.settings.default_modelsize):
+            log.error("capacity %d bytes is below what model-mesh accepts (%d); answering FAILING",
+                      capacity, minimum_capacity(self.settings.default_modelsize))
+            return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.FAILING)
+        return pb.RuntimeStatusResponse(
+            status=pb.RuntimeStatusResponse.READY,
+            capacityInBytes=capacity,
+            maxLoadingConcurrency=self.settings.max_loading_concurrency,
+            modelLoadingTimeoutMs=self.settings.loadtime_timeout,
+            defaultModelSizeInBytes=self.settings.default_modelsize,
+            runtimeVersion=__version__,
+            methodInfos={name: pb.RuntimeStatusResponse.MethodInfo(idInjectionPath=path)
+                         for name, path in METHOD_INFOS.items()},
+        )
+
+    def capacity(self) -> int:
+        """Container memory minus the buffer minus what the front, fork server and spares use."""
+        overhead = memory.tree_uss(os.getpid())
+        total = memory.container_memory(self.settings.container_mem_req_bytes)
+        return max(0, total - self.settings.mem_buffer_bytes - overhead)

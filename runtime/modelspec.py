@@ -1,0 +1,157 @@
+"""What a loadModel / predictModelSize request asks for, checked before any worker is touched.
+
+`resolve()` turns the request's modelId, modelType, modelPath and modelKey into
+a ModelSpec, or raises INVALID_ARGUMENT / FAILED_PRECONDITION (which promise
+model-mesh that nothing was loaded):
+
+- the path, after normalising `..`, lies inside ROOT_MODEL_DIR, and every
+  symlink on it or under it leads into ROOT_MODEL_DIR or PVC_MOUNTS_DIR
+  (where ModelMesh Serving's puller links PVC storage);
+- the format comes from modelKey `model_type.name`, else modelType
+  (`mt:<format>[:<version>]`), else the files, and is one we know;
+- the format's framework is installed and its files are there.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from typing import Any
+
+from runtime import status
+from runtime.settings import Settings
+from workers import formats
+
+MAX_MODEL_ID_BYTES = 1024
+# A model folder with more entries than this is refused rather than walked.
+MAX_MODEL_FILES = 10000
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    model_id: str
+    path: str                # absolute, symlinks resolved
+    format: formats.Format
+    disk_bytes: int          # bytes of the model's files, following symlinks
+
+
+def resolve(model_id: str, model_type: str, model_path: str, model_key: str, settings: Settings,
+            known_formats: tuple[formats.Format, ...] = formats.FORMATS) -> ModelSpec:
+    check_model_id(model_id)
+    key = parse_key(model_key)
+    path, disk_bytes = checked_path(model_path, settings)
+    fmt = detect_format(key, model_type, path, known_formats)
+    if fmt.framework and importlib.util.find_spec(fmt.framework) is None:
+        raise status.failed_precondition(
+            f"format {fmt.name!r} needs {fmt.framework}, which is not installed: "
+            f"pip install 'mesh-runtime[{fmt.extra}]'")
+    if os.path.isdir(path) and not any(fmt.matches(name) for name in os.listdir(path)):
+        raise status.failed_precondition(f"{model_path} holds no file of format {fmt.name!r} "
+                                         f"({', '.join(fmt.file_names + fmt.suffixes)})")
+    return ModelSpec(model_id, path, fmt, disk_bytes)
+
+
+def check_model_id(model_id: str) -> None:
+    if not model_id:
+        raise status.invalid_argument("modelId is empty")
+    if len(model_id.encode()) > MAX_MODEL_ID_BYTES:
+        raise status.invalid_argument(f"modelId is longer than {MAX_MODEL_ID_BYTES} bytes")
+
+
+def parse_key(model_key: str) -> dict[str, Any]:
+    """modelKey JSON as a dict ({} when empty); unknown fields are kept and ignored."""
+    if not model_key.strip():
+        return {}
+    try:
+        key = json.loads(model_key)
+    except json.JSONDecodeError as error:
+        raise status.invalid_argument(f"modelKey is not valid JSON: {error}") from None
+    if not isinstance(key, dict):
+        raise status.invalid_argument("modelKey must be a JSON object")
+    return key
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def checked_path(model_path: str, settings: Settings) -> tuple[str, int]:
+    """-> (the real path, bytes on disk); raises when the path is missing or escapes the roots."""
+    if not model_path:
+        raise status.invalid_argument("modelPath is empty")
+    if "\0" in model_path:
+        raise status.invalid_argument("modelPath contains a NUL byte")
+    root = settings.root_model_dir
+    path = os.path.normpath(os.path.join(root, model_path))
+    if not _inside(path, root):
+        raise status.invalid_argument(f"modelPath {model_path} lies outside ROOT_MODEL_DIR ({root})")
+    if not os.path.lexists(path):
+        raise status.failed_precondition(f"modelPath {model_path} does not exist")
+    allowed = (os.path.realpath(root), os.path.realpath(settings.pvc_mounts_dir))
+    real = _checked_target(path, model_path, allowed)
+    disk_bytes = 0
+    for name in _walk(real, model_path):
+        _checked_target(name, model_path, allowed)
+        disk_bytes += os.stat(name).st_size
+    return real, disk_bytes
+
+
+def _checked_target(path: str, shown: str, allowed: tuple[str, ...]) -> str:
+    real = os.path.realpath(path)
+    if not any(_inside(real, folder) for folder in allowed):
+        raise status.invalid_argument(
+            f"modelPath {shown} leads through a symlink to {real}, outside ROOT_MODEL_DIR and PVC_MOUNTS_DIR")
+    if not os.path.exists(real):
+        raise status.failed_precondition(f"modelPath {shown}: {path} is a broken symlink")
+    return real
+
+
+def _walk(path: str, shown: str):
+    """Every file under path (or path itself), symlinks followed; bounded."""
+    if not os.path.isdir(path):
+        yield path
+        return
+    count = 0
+    for folder, dirs, files in os.walk(path, followlinks=True):
+        for name in dirs + files:
+            count += 1
+            if count > MAX_MODEL_FILES:
+                raise status.failed_precondition(f"modelPath {shown} holds more than {MAX_MODEL_FILES} files")
+        for name in files:
+            yield os.path.join(folder, name)
+
+
+def format_name_from(key: dict[str, Any], model_type: str) -> str | None:
+    """The format the request names: modelKey model_type(.name), else modelType mt:<format>."""
+    model_type_field = key.get("model_type")
+    if isinstance(model_type_field, dict) and model_type_field.get("name"):
+        return str(model_type_field["name"])
+    if isinstance(model_type_field, str) and model_type_field:
+        return model_type_field
+    if model_type.startswith("mt:"):
+        return model_type[3:].split("|")[0].split(":")[0]
+    return None
+
+
+def detect_format(key: dict[str, Any], model_type: str, path: str,
+                  known_formats: tuple[formats.Format, ...]) -> formats.Format:
+    name = format_name_from(key, model_type)
+    known = ", ".join(f.name for f in known_formats)
+    if name is not None:
+        fmt = formats.by_name(name, known_formats)
+        if fmt is None:
+            raise status.invalid_argument(f"unknown model format {name!r} (known: {known})")
+        return fmt
+    names = os.listdir(path) if os.path.isdir(path) else [os.path.basename(path)]
+    for fmt in known_formats:
+        if any(fmt.matches(n) for n in names):
+            return fmt
+    raise status.invalid_argument(
+        f"cannot tell the model format from the files in {path}; name it in modelKey "
+        f"model_type.name (known: {known})")
+
+
+def predicted_size(spec: ModelSpec, settings: Settings) -> int:
+    """A conservative size for a model not loaded yet: bytes on disk x multiplier, never below the floor."""
+    return max(int(spec.disk_bytes * settings.modelsize_multiplier), spec.format.size_floor, 1)

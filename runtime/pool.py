@@ -1,0 +1,313 @@
+"""Worker processes: the fork server, warm spares, spawning, killing and reaping.
+
+Every worker is forked by multiprocessing's fork server, which imported numpy,
+the frameworks and the worker code once (workers/preload.py), so a new worker
+starts in milliseconds with a few MiB of its own memory. The pool keeps
+WORKERS_WARM idle spares connected; `take()` hands one out and a background
+refill forks the next.
+
+A worker's death is seen at once: the event loop watches its process
+sentinel (a pipe the fork server writes the exit code to once it has reaped
+the child), never a polling loop. `Worker.exited` resolves only then, so
+"await the kill" means "the memory is back in the OS".
+
+multiprocessing.Process objects are only touched from one thread, the
+spawner: starting a process talks to the fork server over a socket and
+blocks, which the event loop must not do.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import signal
+import time
+
+import psutil
+
+import workers.main
+from runtime import status
+from runtime.channel import Channel, PeerGone
+from runtime.leftovers import ProcessRegistry
+from runtime.settings import Settings
+from workers import protocol
+
+log = logging.getLogger("mesh.pool")
+
+HEARTBEAT_SECONDS = 1.0
+# A worker that hears nothing from the front for this long exits: a backstop
+# behind the parent-death signal (the front pings every HEARTBEAT_SECONDS).
+WORKER_SILENCE_LIMIT = 10.0
+SPAWN_TIMEOUT = 30.0
+SPAWN_RETRY_SECONDS = 1.0
+
+
+class Worker:
+    """One worker process as the front sees it."""
+
+    def __init__(self, identity: bytes, process: multiprocessing.Process):
+        loop = asyncio.get_running_loop()
+        self.identity = identity
+        self.process = process
+        self.pid: int | None = None
+        self.model_id: str | None = None
+        self.started = time.monotonic()
+        self.last_seen = self.started
+        self.ready = loop.create_future()   # resolves on the worker's hello
+        self.exited = loop.create_future()  # resolves to the exit code once reaped
+
+    @property
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+    def signal(self, signum: int) -> None:
+        if self.pid is not None and self.alive:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # already dead; the sentinel will tell
+
+    def __repr__(self) -> str:
+        return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"
+
+
+class WorkerPool:
+    def __init__(self, settings: Settings, on_worker_exit):
+        self.settings = settings
+        self.registry = ProcessRegistry(settings.runtime_dir)
+        self.channel = Channel(f"ipc://{settings.runtime_dir}/workers.sock", self._on_event)
+        self.ready = False
+        self._on_worker_exit = on_worker_exit
+        self._context = multiprocessing.get_context("forkserver")
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
+        self._workers: dict[bytes, Worker] = {}
+        self._spares: collections.deque[Worker] = collections.deque()
+        self._spare_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._starting = 0
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._refill_task: asyncio.Task | None = None
+        self._closing = False
+
+    # -- start and stop -------------------------------------------------------
+
+    async def start(self) -> None:
+        """Kills what an earlier front left, starts the fork server, fills the spares."""
+        purged = await asyncio.to_thread(self.registry.purge)
+        if purged:
+            log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
+        self._start_forkserver()
+        self.channel.start()
+        self._background(self._heartbeat_forever(), "heartbeat")
+        await self._refill()
+        self.ready = True
+        log.info("worker pool ready: %d warm spares", len(self._spares))
+
+    def _start_forkserver(self) -> None:
+        # Called on the main thread on purpose: the fork server's parent-death
+        # signal follows the thread that forked it.
+        os.environ[protocol.PRELOAD_ENV] = ",".join(self.settings.worker_preload)
+        self._context.set_forkserver_preload(["workers.preload"])
+        multiprocessing.forkserver.ensure_running()
+        for child in psutil.Process().children():
+            self.registry.add(child.pid)  # the fork server and multiprocessing's resource tracker
+
+    async def close(self) -> None:
+        """Kills every worker, waits until each is reaped, stops the fork server."""
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        workers = list(self._workers.values())
+        for worker in workers:
+            worker.signal(signal.SIGKILL)
+        if workers:
+            await asyncio.wait([w.exited for w in workers], timeout=10)
+        await asyncio.get_running_loop().run_in_executor(self._spawner, _stop_multiprocessing_helpers)
+        self._spawner.shutdown(wait=True)
+        await self.channel.close()
+
+    # -- handing out workers --------------------------------------------------
+
+    async def take(self) -> Worker:
+        """A connected idle worker, now owned by the caller (who must kill it in the end)."""
+        while True:
+            while self._spares:
+                worker = self._spares.popleft()
+                if worker.alive:
+                    self._schedule_refill()
+                    return worker
+            if self._at_cap() and self._starting == 0:
+                raise status.out_of_workers(self.settings.workers_max)
+            waiter = asyncio.get_running_loop().create_future()
+            self._spare_waiters.append(waiter)
+            self._schedule_refill()
+            try:
+                await waiter
+            except BaseException:
+                # We gave up: a spare meant for us goes to the next in line.
+                self._spare_waiters.remove(waiter)
+                self._wake_a_waiter()
+                raise
+            self._spare_waiters.remove(waiter)
+
+    def workers(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def spares(self) -> list[Worker]:
+        return [w for w in self._spares if w.alive]
+
+    @property
+    def settled(self) -> bool:
+        """True when the spares are all there and nothing is being started."""
+        return self._starting == 0 and len(self.spares()) >= self.settings.workers_warm
+
+    # -- spawning ---------------------------------------------------------------
+
+    def _at_cap(self) -> bool:
+        cap = self.settings.workers_max
+        return cap > 0 and len(self._workers) >= cap
+
+    def _schedule_refill(self) -> None:
+        if not self._closing and (self._refill_task is None or self._refill_task.done()):
+            self._refill_task = self._background(self._refill(), "refill")
+
+    async def _refill(self) -> None:
+        """Forks workers until the spares (plus anyone waiting for one) are covered."""
+        while not self._closing:
+            wanted = self.settings.workers_warm + len(self._spare_waiters)
+            if len(self._spares) + self._starting >= wanted or self._at_cap():
+                return
+            try:
+                await self._spawn_one()
+            except Exception:
+                log.exception("could not start a worker; retrying in %.0f s", SPAWN_RETRY_SECONDS)
+                await asyncio.sleep(SPAWN_RETRY_SECONDS)
+
+    async def _spawn_one(self) -> None:
+        identity = f"w{next(self._ids)}".encode()
+        config = {
+            "address": self.channel.address,
+            "identity": identity,
+            "heartbeat_timeout": WORKER_SILENCE_LIMIT,
+            "log_level": self.settings.log_level,
+            "log_format": self.settings.log_format,
+        }
+        process = self._context.Process(target=workers.main.run, args=(config,),
+                                        name=f"mesh-worker-{identity.decode()}")
+        worker = Worker(identity, process)
+        self._starting += 1
+        # Registered before it starts: its hello may arrive before we resume.
+        self._workers[identity] = worker
+        try:
+            loop = asyncio.get_running_loop()
+            try:
+                worker.pid = await loop.run_in_executor(self._spawner, self._start_process, process)
+            except BaseException:
+                self._workers.pop(identity, None)
+                raise
+            loop.add_reader(process.sentinel, self._on_sentinel, worker)
+            await asyncio.wait([worker.ready, worker.exited], timeout=SPAWN_TIMEOUT,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not worker.ready.done() and worker.alive:
+                log.error("%r did not say hello within %.0f s; killing it", worker, SPAWN_TIMEOUT)
+                worker.signal(signal.SIGKILL)
+            if worker.ready.done() and worker.alive:
+                self._add_spare(worker)
+        finally:
+            self._starting -= 1
+
+    def _start_process(self, process: multiprocessing.Process) -> int:
+        """Spawner thread: ask the fork server for a child and record it."""
+        process.start()
+        self.registry.add(process.pid)
+        return process.pid
+
+    def _add_spare(self, worker: Worker) -> None:
+        self._spares.append(worker)
+        self._wake_a_waiter()
+
+    def _wake_a_waiter(self) -> None:
+        if not self._spares:
+            return
+        for waiter in self._spare_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    # -- events from workers and the OS ---------------------------------------
+
+    def _on_event(self, identity: bytes, header: dict) -> None:
+        worker = self._workers.get(identity)
+        if worker is None:
+            log.warning("message %r from unknown worker %r", header["op"], identity)
+            return
+        worker.last_seen = time.monotonic()
+        if header["op"] == protocol.OP_HELLO and not worker.ready.done():
+            worker.ready.set_result(None)
+
+    def _on_sentinel(self, worker: Worker) -> None:
+        asyncio.get_running_loop().remove_reader(worker.process.sentinel)
+        self._background(self._reap(worker), f"reap-{worker.identity.decode()}")
+
+    async def _reap(self, worker: Worker) -> None:
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(self._spawner, self._collect_exit, worker)
+        self._workers.pop(worker.identity, None)
+        if worker in self._spares:
+            self._spares.remove(worker)
+        self.channel.fail_peer(worker.identity, code)
+        worker.exited.set_result(code)
+        log.info("%r exited (%s)", worker, status.describe_exit(code),
+                 extra={"model_id": worker.model_id} if worker.model_id else None)
+        self._on_worker_exit(worker, code)
+        self._schedule_refill()
+
+    def _collect_exit(self, worker: Worker) -> int | None:
+        """Spawner thread: read the exit code the fork server wrote, free the process object."""
+        process = worker.process
+        process.join(timeout=5)
+        code = process.exitcode
+        if code is not None:
+            process.close()
+        self.registry.remove(worker.pid)
+        return code
+
+    async def _heartbeat_forever(self) -> None:
+        ping = protocol.header(protocol.OP_PING)
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            for worker in list(self._workers.values()):
+                if worker.ready.done() and worker.alive:
+                    try:
+                        await self.channel.send(worker.identity, ping)
+                    except PeerGone:
+                        pass  # it is dying; the sentinel will report it
+
+    def _background(self, coroutine, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _stop_multiprocessing_helpers() -> None:
+    """Stops and reaps the fork server and the resource tracker.
+
+    multiprocessing offers no public call for this; its own tests use _stop().
+    Both would also exit on their own once this process is gone.
+    """
+    for helper in (getattr(multiprocessing.forkserver, "_forkserver", None),
+                   getattr(multiprocessing.resource_tracker, "_resource_tracker", None)):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            try:
+                stop()
+            except (OSError, ChildProcessError) as error:
+                log.warning("stopping a multiprocessing helper: %s", error)

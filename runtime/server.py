@@ -1,0 +1,100 @@
+"""Builds the gRPC server and runs the front until SIGTERM or SIGINT.
+
+One grpc.aio server on RUNTIME_PORT (and RUNTIME_SOCKET_PATH) carries
+mmesh.ModelRuntime, inference.GRPCInferenceService, grpc.health.v1 and
+reflection. The server answers at once; the worker pool starts behind it, and
+until it is ready runtimeStatus says STARTING and health says NOT_SERVING.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from setproctitle import setproctitle
+
+from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
+from runtime import __version__, rundir
+from runtime.dataplane import InferenceService
+from runtime.management import ModelRuntimeServicer
+from runtime.settings import Settings
+from runtime.supervisor import Supervisor
+from workers import logsetup
+
+log = logging.getLogger("mesh.server")
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+SERVICE_NAMES = (
+    model_runtime_pb2.DESCRIPTOR.services_by_name["ModelRuntime"].full_name,
+    grpc_predict_v2_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+
+
+def run(settings: Settings) -> int:
+    logsetup.setup("front", settings.log_level, settings.log_format)
+    setproctitle(f"mesh-runtime front port={settings.runtime_port}")
+    try:
+        rundir.prepare(settings.runtime_dir)
+    except rundir.RuntimeDirError as error:
+        log.error("%s", error)
+        return 2
+    return asyncio.run(serve(settings))
+
+
+def build_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server:
+    limit = settings.grpc_max_message_bytes
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        # Without this a second runtime on the same port would bind silently.
+        ("grpc.so_reuseport", 0),
+    ])
+    model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(ModelRuntimeServicer(settings, supervisor), server)
+    server.add_generic_rpc_handlers([InferenceService(supervisor)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    return server
+
+
+async def serve(settings: Settings) -> int:
+    supervisor = Supervisor(settings)
+    health_servicer = health.aio.HealthServicer()
+    server = build_server(settings, supervisor, health_servicer)
+    try:
+        server.add_insecure_port(f"[::]:{settings.runtime_port}")
+        if settings.runtime_socket_path:
+            server.add_insecure_port(f"unix:{settings.runtime_socket_path}")
+    except RuntimeError as error:
+        log.error("cannot listen on port %d: %s", settings.runtime_port, error)
+        return 2
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("mesh-runtime %s listening on port %d%s", __version__, settings.runtime_port,
+             f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    exit_code = 0
+    try:
+        await supervisor.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await stop.wait()
+        log.info("stopping: no new calls, %.0f s for those under way", SHUTDOWN_GRACE_SECONDS)
+    except Exception:
+        log.exception("the worker pool failed; stopping")
+        exit_code = 1
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    await supervisor.close()
+    rundir.remove(settings.runtime_dir)
+    log.info("stopped; every worker reaped")
+    return exit_code

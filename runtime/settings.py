@@ -1,0 +1,219 @@
+"""The one place for configuration: typed settings read from the environment.
+
+Every variable is declared once in VARIABLES (name, parser, default, meaning).
+`Settings.from_env()` reads and validates them all at start; a bad value raises
+SettingsError with a one-line message that names the variable. The README's
+environment table and `python -m runtime --help` are generated from the same
+list (tests/test_settings.py checks the README is in step).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import tempfile
+from typing import Any, Callable
+
+# Ports model-mesh itself listens on inside the pod; a runtime must avoid them.
+RESERVED_PORTS = {8080, 8089, 8090, *range(11881, 11900)}
+
+# Frameworks the fork server imports up front when they are installed, so a
+# load does not pay their import time.
+OPTIONAL_FRAMEWORKS = ("sklearn", "xgboost", "lightgbm", "onnxruntime", "torch")
+
+
+class SettingsError(ValueError):
+    """A bad environment value; the message names the variable."""
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError(f"expected a whole number, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _str(text: str) -> str:
+    return text
+
+
+def _path(text: str) -> str:
+    if not text.startswith("/"):
+        raise ValueError(f"expected an absolute path, got {text!r}")
+    return os.path.normpath(text)
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
+        return value
+    return parse
+
+
+def _at_least(minimum: float) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum}, got {value}")
+    return check
+
+
+def _positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be greater than 0, got {value}")
+
+
+def _port(value: int) -> None:
+    if not 1 <= value <= 65535:
+        raise ValueError(f"must be a TCP port (1-65535), got {value}")
+    if value in RESERVED_PORTS:
+        raise ValueError(f"port {value} is reserved by model-mesh (8080, 8089, 8090, 11881-11899)")
+
+
+def default_preload() -> tuple[str, ...]:
+    """numpy plus whichever optional frameworks are installed."""
+    found = [m for m in OPTIONAL_FRAMEWORKS if importlib.util.find_spec(m) is not None]
+    return ("numpy", *found)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variable:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any  # a value, or a callable computing it from the partial settings
+    meaning: str
+    check: Callable[[Any], None] | None = None
+    default_text: str | None = None  # how the default reads in docs when it is computed
+
+    @property
+    def field(self) -> str:
+        return self.name.lower()
+
+    def describe_default(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "unset"
+        if isinstance(self.default, bool):
+            return str(self.default).lower()
+        if isinstance(self.default, tuple):
+            return ",".join(self.default)
+        return str(self.default)
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("RUNTIME_PORT", _int, 8085,
+             "gRPC port for every service (use `port:8085` for grpcEndpoint and grpcDataEndpoint)",
+             _port),
+    Variable("RUNTIME_SOCKET_PATH", _path, None,
+             "also listen on this unix socket (for `unix:` endpoints)"),
+    Variable("RUNTIME_DIR", _path,
+             lambda s: os.path.join(tempfile.gettempdir(), f"mesh-runtime-{os.getuid()}-{s['runtime_port']}"),
+             "private folder (mode 0700) for the worker sockets and the process registry",
+             default_text="$TMPDIR/mesh-runtime-UID-PORT"),
+    Variable("ROOT_MODEL_DIR", _path, "/models",
+             "every modelPath must lie inside it (after normalising `..`)"),
+    Variable("PVC_MOUNTS_DIR", _path, "/pvc_mounts",
+             "symlinks under ROOT_MODEL_DIR may lead here (ModelMesh Serving's PVC storage) or into ROOT_MODEL_DIR, nowhere else"),
+    Variable("CONTAINER_MEM_REQ_BYTES", _int, None,
+             "memory the runtime may use; unset: the cgroup limit, else the machine's RAM",
+             _positive, default_text="cgroup limit, else RAM"),
+    Variable("MEM_BUFFER_BYTES", _int, 134217728,
+             "headroom kept out of capacityInBytes", _at_least(0)),
+    Variable("MODELSIZE_MULTIPLIER", _float, 1.25,
+             "predictModelSize = bytes on disk x this (never below the format's floor)", _positive),
+    Variable("DEFAULT_MODELSIZE", _int, 1000000,
+             "defaultModelSizeInBytes reported to model-mesh", _at_least(1)),
+    Variable("LOADTIME_TIMEOUT", _int, 90000,
+             "modelLoadingTimeoutMs; the runtime kills a load that takes longer", _at_least(100)),
+    Variable("MAX_LOADING_CONCURRENCY", _int, 2,
+             "maxLoadingConcurrency; further loads wait their turn", _at_least(1)),
+    Variable("WORKERS_WARM", _int, 2,
+             "idle pre-forked workers kept ready for the next load", _at_least(0)),
+    Variable("WORKERS_MAX", _int, 0,
+             "hard cap on worker processes, spares included (0: no cap)", _at_least(0)),
+    Variable("WORKER_PRELOAD", _modules, lambda s: default_preload(),
+             "modules the fork server imports once, before forking workers",
+             default_text="numpy and the installed frameworks"),
+    Variable("GRPC_MAX_MESSAGE_BYTES", _int, 67108864,
+             "gRPC send and receive limit (model-mesh sends up to 16 MiB)", _at_least(4194304)),
+    Variable("LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info",
+             "log level"),
+    Variable("LOG_FORMAT", _choice("text", "json"), "text",
+             "`json` prints one JSON object per line"),
+)
+
+
+def _settings_class():
+    fields = [(v.field, Any) for v in VARIABLES]
+    return dataclasses.make_dataclass("_SettingsBase", fields, frozen=True)
+
+
+class Settings(_settings_class()):
+    """Typed, validated settings; attribute names are the variable names in lower case."""
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for var in VARIABLES:
+            values[var.field] = _read(var, environ, values)
+        return cls(**values)
+
+
+def _read(var: Variable, environ, so_far: dict[str, Any]) -> Any:
+    text = environ.get(var.name)
+    if text is None or text == "":
+        return var.default(so_far) if callable(var.default) else var.default
+    try:
+        value = var.parse(text)
+        if var.check is not None:
+            var.check(value)
+    except ValueError as error:
+        raise SettingsError(f"{var.name}: {error}") from None
+    return value
+
+
+def help_text() -> str:
+    """What `python -m runtime --help` prints."""
+    lines = [
+        "usage: python -m runtime   (or: mesh-runtime)",
+        "",
+        "mesh-runtime: a KServe ModelMesh model runtime; each model runs in its own worker process.",
+        "It serves mmesh.ModelRuntime, inference.GRPCInferenceService, grpc.health.v1 and reflection",
+        "on one port. Configure it with these environment variables (all optional):",
+        "",
+    ]
+    width = max(len(v.name) for v in VARIABLES)
+    for var in VARIABLES:
+        lines.append(f"  {var.name:<{width}}  {var.meaning} [default: {var.describe_default()}]")
+    return "\n".join(lines)
+
+
+def markdown_table() -> str:
+    """The README's environment table."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for var in VARIABLES:
+        rows.append(f"| `{var.name}` | {var.describe_default()} | {var.meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,128 @@
+"""Every gRPC status the runtime answers with is decided here.
+
+Code anywhere in runtime/ raises RpcError through one of the constructors
+below; the servicers turn it into the call's status with `abort()`. Worker
+error kinds (workers/protocol.py) map to codes in WORKER_ERROR_CODES.
+Messages are for humans: they name the model and say what went wrong. None
+of them reads "Model ... not found" unless the code is NOT_FOUND: model-mesh
+treats that text as a missing model (contract doc section 4.3).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from workers import protocol
+
+log = logging.getLogger("mesh.status")
+
+
+class RpcError(Exception):
+    """An error that is a value: a gRPC status code and its message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RpcError({self.code.name}, {self.message!r})"
+
+
+def model_not_found(model_id: str) -> RpcError:
+    return RpcError(grpc.StatusCode.NOT_FOUND, f"model {model_id!r} is not loaded in this runtime")
+
+
+def invalid_argument(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def failed_precondition(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def load_timed_out(model_id: str, timeout_ms: int) -> RpcError:
+    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"load of {model_id!r} did not finish within LOADTIME_TIMEOUT={timeout_ms} ms; its worker was killed")
+
+
+def load_cancelled(model_id: str) -> RpcError:
+    return RpcError(grpc.StatusCode.CANCELLED, f"load of {model_id!r} was cancelled; its worker was killed")
+
+
+def worker_died(model_id: str, during: str, exit_code: int | None) -> RpcError:
+    """A worker vanished mid-operation: loads fail for good, calls may be retried elsewhere."""
+    what = describe_exit(exit_code)
+    if during == "load":
+        return failed_precondition(f"the worker loading {model_id!r} died ({what})")
+    return RpcError(grpc.StatusCode.UNAVAILABLE, f"the worker serving {model_id!r} died ({what})")
+
+
+def out_of_workers(limit: int) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"all {limit} worker processes allowed by WORKERS_MAX are in use")
+
+
+def deadline_exceeded(model_id: str) -> RpcError:
+    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request for {model_id!r} ran past its deadline")
+
+
+def unavailable(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def internal(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INTERNAL, message)
+
+
+WORKER_ERROR_CODES = {
+    protocol.ERROR_LOAD: grpc.StatusCode.FAILED_PRECONDITION,
+    protocol.ERROR_INVALID_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
+    protocol.ERROR_MODEL: grpc.StatusCode.INTERNAL,
+    protocol.ERROR_UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
+    protocol.ERROR_NOT_LOADED: grpc.StatusCode.NOT_FOUND,
+}
+
+
+def from_worker(model_id: str, reply: dict) -> RpcError:
+    """The status for a failed worker reply."""
+    code = WORKER_ERROR_CODES.get(reply.get("error"), grpc.StatusCode.INTERNAL)
+    message = str(reply.get("message", "no message"))
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        message = f"model {model_id!r} raised while loading: {message}"
+    return RpcError(code, message)
+
+
+def describe_exit(exit_code: int | None) -> str:
+    if exit_code is None:
+        return "exit status unknown"
+    if exit_code < 0:
+        import signal
+        try:
+            return f"killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"killed by signal {-exit_code}"
+    return f"exit code {exit_code}"
+
+
+async def abort(context, error: RpcError):
+    """Ends the call with the error's status (raises, as grpc.aio's abort does)."""
+    await context.abort(error.code, error.message)
+
+
+def translated(handler):
+    """Decorates an async servicer method: RpcError -> its status; a bug -> INTERNAL, logged."""
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except RpcError as error:
+            await abort(context, error)
+        except Exception as error:
+            if isinstance(error, grpc.aio.AbortError):
+                raise
+            log.exception("%s failed unexpectedly", handler.__name__)
+            await abort(context, internal(f"{handler.__name__} failed: {type(error).__name__}: {error}"))
+    return wrapper

@@ -1,0 +1,26 @@
+"""Process entry of a worker, called by multiprocessing in the freshly forked child.
+
+Kept free of heavy imports: the front imports this module to name the entry
+point, and must not pull numpy or model code in with it. The fork server has
+already imported workers.loop (workers/preload.py), so the import below
+costs nothing in a worker.
+"""
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+from setproctitle import setproctitle
+
+from workers import lifeline, logsetup
+
+
+def run(config: dict[str, Any]) -> None:
+    lifeline.die_with_parent(lifeline.forkserver_pid())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
+    setproctitle("mesh-runtime worker spare")
+    logsetup.setup("worker", config["log_level"], config["log_format"])
+    from workers.loop import Worker
+    worker = Worker(config)
+    signal.signal(signal.SIGTERM, worker.on_sigterm)
+    worker.serve()

@@ -1,0 +1,108 @@
+"""The message schema between the front and its workers; both sides import it.
+
+Transport: the front binds one ZeroMQ ROUTER socket on ipc://RUNTIME_DIR/…;
+each worker connects a DEALER whose routing identity is its worker id. A
+message is a list of frames:
+
+    [header, payload, payload, ...]
+
+`header` is a msgpack map (never pickle) with at least:
+
+    v   PROTOCOL_VERSION; a worker with another version is refused
+    op  one of the OP_* names below
+    id  request id chosen by the front (0 for one-way messages);
+        a reply carries the id of its request
+
+Payload frames carry raw bytes (request and response protobufs, tensors) so
+that nothing big is ever packed into msgpack. The ROUTER adds and strips the
+worker identity frame in front of the header on the front's side.
+
+Messages:
+
+    worker -> front   hello  {pid}                    worker is connected and idle
+    front  -> worker  ping   {}                       heartbeat; worker answers pong
+    worker -> front   pong   {}
+    front  -> worker  load   {id, model_id, format, path, key}
+    front  -> worker  call   {id, method} + [request bytes]
+    worker -> front   reply  {id, ok, error?, message?} + [response bytes]
+
+A failed reply names an error kind (ERROR_* below); the front turns kinds
+into gRPC status codes in exactly one place (runtime/status.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# The front hands the fork server its WORKER_PRELOAD list through this
+# environment variable: multiprocessing starts the fork server, which offers
+# no other way in.
+PRELOAD_ENV = "MESH_WORKER_PRELOAD"
+
+OP_HELLO = "hello"
+OP_PING = "ping"
+OP_PONG = "pong"
+OP_LOAD = "load"
+OP_CALL = "call"
+OP_REPLY = "reply"
+OPS = frozenset({OP_HELLO, OP_PING, OP_PONG, OP_LOAD, OP_CALL, OP_REPLY})
+
+# Error kinds a worker may put in a failed reply.
+ERROR_LOAD = "load"                    # the model's code raised while loading
+ERROR_INVALID_INPUT = "invalid_input"  # the request does not fit the model (tensors, shapes)
+ERROR_MODEL = "model"                  # the model's code raised while serving
+ERROR_UNIMPLEMENTED = "unimplemented"  # the model does not serve this method
+ERROR_NOT_LOADED = "not_loaded"        # a call reached a worker that holds no model
+ERROR_KINDS = frozenset({ERROR_LOAD, ERROR_INVALID_INPUT, ERROR_MODEL,
+                         ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED})
+
+# Methods the worker serves itself; any other method goes to the model's handle().
+METHOD_INFER = "inference.GRPCInferenceService/ModelInfer"
+METHOD_METADATA = "inference.GRPCInferenceService/ModelMetadata"
+
+
+class ProtocolError(ValueError):
+    """A frame that does not follow this schema."""
+
+
+def header(op: str, request_id: int = 0, **fields: Any) -> bytes:
+    """Packs a header frame."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "op": op, "id": request_id, **fields})
+
+
+def reply(request_id: int, **fields: Any) -> bytes:
+    """Packs a successful reply header."""
+    return header(OP_REPLY, request_id, ok=True, **fields)
+
+
+def error_reply(request_id: int, kind: str, message: str) -> bytes:
+    """Packs a failed reply header naming an ERROR_* kind."""
+    assert kind in ERROR_KINDS, kind
+    return header(OP_REPLY, request_id, ok=False, error=kind, message=message)
+
+
+def parse_header(frame: bytes | memoryview) -> dict[str, Any]:
+    """Unpacks and checks a header frame; raises ProtocolError when it is not one of ours."""
+    try:
+        fields = msgpack.unpackb(frame)
+    except Exception as error:  # msgpack raises several unrelated types
+        raise ProtocolError(f"header is not msgpack: {error}") from None
+    if not isinstance(fields, dict):
+        raise ProtocolError("header is not a map")
+    if fields.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {fields.get('v')!r}, expected {PROTOCOL_VERSION}")
+    if fields.get("op") not in OPS:
+        raise ProtocolError(f"unknown op {fields.get('op')!r}")
+    if not isinstance(fields.get("id"), int):
+        raise ProtocolError("request id is not an integer")
+    return fields
+
+
+def split(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """[header, *payloads] -> (header fields, payload frames)."""
+    if not frames:
+        raise ProtocolError("empty message")
+    return parse_header(frames[0]), list(frames[1:])

@@ -1,0 +1,234 @@
+"""KServe V2 tensors <-> numpy, inside the worker.
+
+decode_request() turns a ModelInferRequest into `dict[name, numpy.ndarray]`;
+raw_input_contents become arrays over the received bytes (numpy.frombuffer,
+no copy). encode_response() turns the model's outputs back into a
+ModelInferResponse, raw when the request was raw. Anything wrong with the
+request raises InvalidInput (INVALID_ARGUMENT); anything wrong with what the
+model returned raises BadModelOutput (INTERNAL).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+
+from protos import grpc_predict_v2_pb2 as pb
+
+# datatype -> (numpy dtype, typed contents field or None when raw-only)
+DATATYPES: dict[str, tuple[np.dtype, str | None]] = {
+    "BOOL": (np.dtype(np.bool_), "bool_contents"),
+    "UINT8": (np.dtype("<u1"), "uint_contents"),
+    "UINT16": (np.dtype("<u2"), "uint_contents"),
+    "UINT32": (np.dtype("<u4"), "uint_contents"),
+    "UINT64": (np.dtype("<u8"), "uint64_contents"),
+    "INT8": (np.dtype("<i1"), "int_contents"),
+    "INT16": (np.dtype("<i2"), "int_contents"),
+    "INT32": (np.dtype("<i4"), "int_contents"),
+    "INT64": (np.dtype("<i8"), "int64_contents"),
+    "FP16": (np.dtype("<f2"), None),
+    "FP32": (np.dtype("<f4"), "fp32_contents"),
+    "FP64": (np.dtype("<f8"), "fp64_contents"),
+    # numpy has no bfloat16: BF16 inputs reach the model widened to float32.
+    "BF16": (np.dtype("<u2"), None),
+    "BYTES": (np.dtype(object), "bytes_contents"),
+}
+
+# numpy dtype -> datatype, for outputs
+_DATATYPE_OF = {dtype.str: name for name, (dtype, _) in DATATYPES.items()
+                if name not in ("BF16", "BYTES")}
+_DATATYPE_OF[np.dtype(np.bool_).str] = "BOOL"
+
+# Refuse absurd shapes before allocating anything: 2**40 elements is 4 TiB of FP32.
+MAX_ELEMENTS = 1 << 40
+
+
+class InvalidInput(ValueError):
+    """The request does not fit the V2 rules or the model."""
+
+
+class BadModelOutput(ValueError):
+    """The model returned something V2 cannot carry."""
+
+
+def decode_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
+    """-> (inputs by name, request parameters, whether the request used raw contents)."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    inputs: dict[str, np.ndarray] = {}
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise InvalidInput(f"input {tensor.name!r} appears twice")
+        shape = _shape(tensor)
+        count = _element_count(tensor.name, shape)
+        if raw:
+            array = _from_raw(tensor, raw[index], count)
+        else:
+            array = _from_contents(tensor, count)
+        inputs[tensor.name] = array.reshape(shape)
+    return inputs, parameters_of(request.parameters), bool(raw)
+
+
+def parameters_of(parameters) -> dict[str, Any]:
+    """A protobuf map<string, InferParameter> as plain Python values."""
+    values = {}
+    for name, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        values[name] = getattr(parameter, choice) if choice else None
+    return values
+
+
+def _datatype(name: str, datatype: str) -> tuple[np.dtype, str | None]:
+    try:
+        return DATATYPES[datatype]
+    except KeyError:
+        raise InvalidInput(f"input {name!r}: unknown datatype {datatype!r} "
+                           f"(expected one of {', '.join(DATATYPES)})") from None
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    shape = tuple(tensor.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidInput(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
+    return shape
+
+
+def _element_count(name: str, shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim  # Python ints: no overflow, checked below
+        if count > MAX_ELEMENTS:
+            raise InvalidInput(f"input {name!r}: shape {list(shape)} has more than {MAX_ELEMENTS} elements")
+    return count
+
+
+def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
+    dtype, _ = _datatype(tensor.name, tensor.datatype)
+    if tensor.datatype == "BYTES":
+        return _bytes_elements(tensor.name, data, count)
+    expected = count * dtype.itemsize
+    if len(data) != expected:
+        raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} of {tensor.datatype} "
+                           f"needs {expected} bytes, raw_input_contents has {len(data)}")
+    array = np.frombuffer(data, dtype=dtype)
+    if tensor.datatype == "BF16":
+        array = (array.astype(np.uint32) << 16).view(np.float32)
+    return array
+
+
+def _bytes_elements(name: str, data: bytes, count: int) -> np.ndarray:
+    """Raw BYTES: each element is a 4-byte little-endian length, then the bytes."""
+    elements = []
+    offset = 0
+    while offset < len(data):
+        if offset + 4 > len(data):
+            raise InvalidInput(f"input {name!r}: raw BYTES element header cut short at byte {offset}")
+        (length,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if offset + length > len(data):
+            raise InvalidInput(f"input {name!r}: raw BYTES element of {length} bytes runs past the end")
+        elements.append(data[offset:offset + length])
+        offset += length
+    if len(elements) != count:
+        raise InvalidInput(f"input {name!r}: shape needs {count} BYTES elements, raw contents hold {len(elements)}")
+    array = np.empty(count, dtype=object)
+    array[:] = elements
+    return array
+
+
+def _from_contents(tensor, count: int) -> np.ndarray:
+    dtype, field = _datatype(tensor.name, tensor.datatype)
+    if field is None:
+        raise InvalidInput(f"input {tensor.name!r}: {tensor.datatype} can only be sent in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} needs {count} values "
+                           f"in contents.{field}, got {len(values)}")
+    if tensor.datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array
+    try:
+        return np.array(values, dtype=dtype)
+    except OverflowError:
+        raise InvalidInput(f"input {tensor.name!r}: a value does not fit {tensor.datatype}") from None
+
+
+def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool) -> bytes:
+    """The model's outputs as a serialised ModelInferResponse for `request`."""
+    if not isinstance(outputs, dict):
+        raise BadModelOutput(f"predict() returned {type(outputs).__name__}, expected a dict of arrays")
+    wanted = [o.name for o in request.outputs] or list(outputs)
+    missing = [name for name in wanted if name not in outputs]
+    if missing:
+        raise InvalidInput(f"requested output {missing[0]!r} is not produced by the model "
+                           f"(outputs: {', '.join(map(str, outputs))})")
+    tensors = [(name, *_output_tensor(name, outputs[name])) for name in wanted]
+    # FP16 exists only raw, and raw is all-or-nothing across a response.
+    raw = raw or any(datatype == "FP16" for _, datatype, _ in tensors)
+    response = pb.ModelInferResponse(model_name=request.model_name,
+                                     model_version=request.model_version, id=request.id)
+    for name, datatype, array in tensors:
+        out = response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        if raw:
+            response.raw_output_contents.append(_to_raw(datatype, array))
+        else:
+            _fill_contents(out.contents, datatype, array)
+    return response.SerializeToString()
+
+
+def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
+    array = np.asarray(value)
+    if array.dtype.kind in "OSU":
+        return "BYTES", array
+    # Big-endian arrays are named by their little-endian twin; _to_raw converts.
+    datatype = _DATATYPE_OF.get(array.dtype.str) or _DATATYPE_OF.get(array.dtype.newbyteorder("<").str)
+    if datatype is None:
+        raise BadModelOutput(f"output {name!r} has dtype {array.dtype}, which V2 cannot carry")
+    return datatype, array
+
+
+def _as_bytes(element: Any) -> bytes:
+    if isinstance(element, bytes):
+        return element
+    if isinstance(element, str):
+        return element.encode()
+    if isinstance(element, np.bytes_):
+        return bytes(element)
+    return str(element).encode()
+
+
+def _to_raw(datatype: str, array: np.ndarray) -> bytes:
+    if datatype == "BYTES":
+        parts = []
+        for element in array.ravel():
+            data = _as_bytes(element)
+            parts.append(struct.pack("<I", len(data)))
+            parts.append(data)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=DATATYPES[datatype][0]).tobytes()
+
+
+def _fill_contents(contents, datatype: str, array: np.ndarray) -> None:
+    field = DATATYPES[datatype][1]
+    values = getattr(contents, field)
+    if datatype == "BYTES":
+        values.extend(_as_bytes(e) for e in array.ravel())
+    else:
+        values.extend(array.ravel().tolist())
+
+
+def metadata_response(model_name: str, platform: str, metadata: dict | None) -> bytes:
+    """A serialised ModelMetadataResponse from a model's metadata() dict (or none)."""
+    metadata = metadata or {}
+    response = pb.ModelMetadataResponse(
+        name=model_name,
+        versions=[str(v) for v in metadata.get("versions", [])],
+        platform=str(metadata.get("platform", platform)))
+    for kind in ("inputs", "outputs"):
+        for tensor in metadata.get(kind, []):
+            getattr(response, kind).add(name=str(tensor["name"]), datatype=str(tensor["datatype"]),
+                                        shape=[int(d) for d in tensor.get("shape", [])])
+    return response.SerializeToString()
