@@ -45,6 +45,7 @@ class Model:
         self.size = 0
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task | None = None
+        self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash
         self.gone = asyncio.get_running_loop().create_future()  # resolves once nothing is left
 
 
@@ -134,6 +135,7 @@ class Supervisor:
         if model is None:
             return
         grace = UNLOAD_GRACE_SECONDS if model.state is State.READY else 0.0
+        model.unload_requested = True
         self._discard(model, grace)
         await asyncio.shield(model.gone)
 
@@ -144,6 +146,7 @@ class Supervisor:
             log.warning("purging %d models before answering READY: %s",
                         len(models), ", ".join(m.model_id for m in models))
         for model in models:
+            model.unload_requested = True
             self._discard(model)
         await asyncio.gather(*(asyncio.shield(m.gone) for m in models))
 
@@ -219,7 +222,7 @@ class Supervisor:
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:
-            if model.state is State.UNLOADING:
+            if model.unload_requested:  # the documented race: a request just as mesh unloads
                 raise status.model_not_found(model_id) from None
             raise status.worker_died(model_id, "call", gone.exit_code) from None
         if not reply["ok"]:

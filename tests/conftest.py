@@ -1,0 +1,18 @@
+import pytest
+
+from harness import Runtime
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    """One runtime shared by a test module (loads time out after 5 s there)."""
+    with Runtime(LOADTIME_TIMEOUT="5000", WORKERS_WARM="1") as shared:
+        yield shared
+
+
+@pytest.fixture
+def rt(runtime):
+    """The shared runtime, checked to hold no model before and after the test."""
+    assert runtime.model_workers() == 0, "an earlier test left a model loaded"
+    yield runtime
+    assert runtime.process.poll() is None, f"runtime died:\n{runtime.log()}"

@@ -1,0 +1,190 @@
+"""The first inference path: routing by header or field 1, forwarding bytes, status codes."""
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from harness import MiB, mesh_headers
+from protos import grpc_predict_v2_pb2 as v2
+
+MODEL = """
+    import os
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs, parameters):
+            if "boom" in inputs:
+                raise ValueError("the model cannot digest this")
+            if "die" in inputs:
+                os._exit(7)
+            if "big" in inputs:
+                return {"total": np.array([inputs["big"].size], dtype=np.int64)}
+            return {"doubled": inputs["x"] * 2, "scale": np.array([parameters.get("scale", 1)])}
+
+        def metadata(self):
+            return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+                    "outputs": [{"name": "doubled", "datatype": "FP32", "shape": [-1, 2]}]}
+"""
+NON_ASCII_ID = "modèle-ñ-模型__isvc-0123456789"
+
+
+@pytest.fixture(scope="module")
+def served(runtime):
+    path = runtime.model_dir("served", MODEL)
+    for model_id in ("served", NON_ASCII_ID):
+        runtime.load(model_id, path)
+    yield runtime
+    for model_id in ("served", NON_ASCII_ID):
+        runtime.unload(model_id)
+
+
+def request(model_name="served", **inputs):
+    message = v2.ModelInferRequest(model_name=model_name, id="req-1")
+    for name, values in inputs.items():
+        array = np.asarray(values, dtype=np.float32)
+        message.inputs.add(name=name, datatype="FP32", shape=array.shape).contents.fp32_contents.extend(array.ravel())
+    return message
+
+
+def code_and_details(call):
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value.code(), error.value.details()
+
+
+def test_routed_by_ascii_header(served):
+    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
+                                     metadata=[("mm-model-id", "served")])
+    assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
+    assert answer.id == "req-1"
+
+
+def test_routed_by_binary_header_with_non_ascii_id(served):
+    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
+                                     metadata=mesh_headers(NON_ASCII_ID))
+    assert answer.outputs[0].name == "doubled"
+
+
+def test_routed_by_field_1_without_headers(served):
+    answer = served.infer.ModelInfer(request(model_name=NON_ASCII_ID, x=[[3, 4]]))
+    assert list(answer.outputs[0].contents.fp32_contents) == [6, 8]
+
+
+def test_parameters_reach_predict(served):
+    message = request(x=[[1, 2]])
+    message.parameters["scale"].int64_param = 5
+    answer = served.infer.ModelInfer(message)
+    assert list(answer.outputs[1].contents.int64_contents) == [5]
+
+
+def test_unknown_model_is_not_found(served):
+    code, details = code_and_details(lambda: served.infer.ModelInfer(request(model_name="ghost", x=[[1, 2]])))
+    assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details
+
+
+def test_no_model_id_anywhere_is_invalid_argument(served):
+    code, _ = code_and_details(lambda: served.infer.ModelInfer(request(model_name="", x=[[1, 2]])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_malformed_request_bytes_are_invalid_argument(served):
+    raw = served.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    code, _ = code_and_details(lambda: raw(b"\x0a\xff\xff\xff", metadata=None))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, details = code_and_details(lambda: raw(b"\x0a\x06served\x2a\x03\x0a\xff", metadata=None))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not found" not in details.lower()
+
+
+def test_bad_tensor_is_invalid_argument_and_not_model_not_found(served):
+    message = request(x=[[1, 2]])
+    message.inputs[0].shape[:] = [3, 2]
+    code, details = code_and_details(lambda: served.infer.ModelInfer(message))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'x'" in details and "not found" not in details.lower()
+
+
+def test_model_raising_is_internal_with_its_message(served):
+    code, details = code_and_details(lambda: served.infer.ModelInfer(request(boom=[1])))
+    assert code == grpc.StatusCode.INTERNAL and "cannot digest" in details
+
+
+def test_16_mib_request_passes(served):
+    big = np.zeros(4 * MiB, dtype=np.float32)  # 16 MiB of FP32
+    message = v2.ModelInferRequest(model_name="served")
+    message.inputs.add(name="big", datatype="FP32", shape=[big.size])
+    message.raw_input_contents.append(big.tobytes())
+    answer = served.infer.ModelInfer(message, timeout=60)
+    assert np.frombuffer(answer.raw_output_contents[0], dtype=np.int64)[0] == big.size
+
+
+def test_model_metadata_from_the_model(served):
+    answer = served.infer.ModelMetadata(v2.ModelMetadataRequest(name="served"))
+    assert answer.name == "served"
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.inputs] == [("x", "FP32", [-1, 2])]
+
+
+def test_model_ready(served):
+    assert served.infer.ModelReady(v2.ModelReadyRequest(name="served")).ready
+    assert served.infer.ModelReady(v2.ModelReadyRequest(name="isvc"), metadata=mesh_headers(NON_ASCII_ID)).ready
+    code, _ = code_and_details(lambda: served.infer.ModelReady(v2.ModelReadyRequest(name="ghost")))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_server_live_ready_metadata(served):
+    assert served.infer.ServerLive(v2.ServerLiveRequest()).live
+    assert served.infer.ServerReady(v2.ServerReadyRequest()).ready
+    assert served.infer.ServerMetadata(v2.ServerMetadataRequest()).name == "mesh-runtime"
+
+
+def test_health_serving(served):
+    answer = health_pb2_grpc.HealthStub(served.channel).Check(health_pb2.HealthCheckRequest())
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_every_service(served):
+    stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"mmesh.ModelRuntime", "inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+
+
+def test_unknown_method_is_unimplemented(served):
+    raw = served.channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
+    code, _ = code_and_details(lambda: raw(b"", metadata=mesh_headers("served")))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_worker_dying_mid_request_is_unavailable_and_model_dropped(runtime):
+    runtime.load("fragile", runtime.model_dir("fragile", MODEL))
+    code, details = code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="fragile", die=[1])))
+    assert code == grpc.StatusCode.UNAVAILABLE and "exit code 7" in details
+    code, _ = code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="fragile", x=[[1, 2]])))
+    assert code == grpc.StatusCode.NOT_FOUND
+    runtime.unload("fragile")
+
+
+def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
+    import threading
+    runtime.load("slow", runtime.model_dir("slow", """
+        import time
+        class Model:
+            def __init__(self, path):
+                pass
+            def predict(self, inputs):
+                time.sleep(5)
+                return inputs
+    """))
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(
+        code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="slow", x=[1]), timeout=30))))
+    thread.start()
+    import time
+    time.sleep(0.5)
+    runtime.unload("slow")
+    thread.join(10)
+    assert not thread.is_alive()
+    assert outcome[0][0] == grpc.StatusCode.NOT_FOUND

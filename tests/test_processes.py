@@ -1,0 +1,81 @@
+"""Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
+import os
+import signal
+import stat
+
+import psutil
+
+from harness import Runtime, alive, tree, wait_until
+
+
+def test_sigterm_reaps_every_process_and_removes_runtime_dir():
+    runtime = Runtime().start()
+    runtime.load("m", runtime.model_dir("m"))
+    processes = tree(runtime.pid)
+    assert len(processes) >= 4  # front, fork server, resource tracker, model worker, spare
+    runtime.process.send_signal(signal.SIGTERM)
+    assert runtime.process.wait(15) == 0
+    assert not alive(processes)
+    assert not os.path.exists(runtime.env["RUNTIME_DIR"])
+    runtime.stop()
+
+
+def test_sigkill_of_the_front_leaves_no_process_within_10_s():
+    runtime = Runtime(WORKERS_WARM="2").start()
+    runtime.load("m", runtime.model_dir("m"))
+    processes = tree(runtime.pid)
+    titles = " ".join(" ".join(p.cmdline()) for p in processes)
+    assert "mesh-runtime forkserver" in titles and "model=m" in titles and "worker spare" in titles
+    runtime.process.kill()
+    runtime.process.wait()
+    wait_until(lambda: not alive(processes), timeout=10, what="every process of the old tree to end")
+    runtime.stop()
+
+
+def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir():
+    first = Runtime().start()
+    try:
+        first.load("m", first.model_dir("m"))
+        left_behind = [p for p in tree(first.pid) if p.pid != first.pid]
+        # A second front on the same RUNTIME_DIR (say, after the first was wedged).
+        second = Runtime(RUNTIME_DIR=first.env["RUNTIME_DIR"]).start()
+        try:
+            assert not alive(left_behind), "the earlier front's workers survived the new front's start"
+            assert "left behind by an earlier runtime" in second.log()
+            second.load("m2", second.model_dir("m2"))
+            assert second.infer_fp32("m2", [1.0]).outputs
+        finally:
+            second.stop()
+    finally:
+        first.process.kill()
+        first.process.wait()
+        first.stop()
+
+
+def test_runtime_dir_is_private(rt):
+    info = os.stat(rt.env["RUNTIME_DIR"])
+    assert stat.S_IMODE(info.st_mode) == 0o700
+    assert info.st_uid == os.getuid()
+
+
+def test_worker_titles_and_tree(rt):
+    rt.load("titled__isvc-1", rt.model_dir("titled"))
+    worker = rt.worker_for("titled__isvc-1")
+    assert "mesh-runtime worker model=titled__isvc-1" in " ".join(worker.cmdline())
+    forkserver = psutil.Process(worker.ppid())
+    assert "mesh-runtime forkserver" in " ".join(forkserver.cmdline())
+    assert forkserver.ppid() == rt.pid
+    rt.unload("titled__isvc-1")
+
+
+def test_worker_killed_from_outside_drops_its_model(rt):
+    import grpc
+    rt.load("victim", rt.model_dir("victim"))
+    rt.worker_for("victim").kill()
+    wait_until(lambda: "died (killed by SIGKILL)" in rt.log(), what="the front to notice")
+    try:
+        rt.infer_fp32("victim", [1.0])
+        raise AssertionError("a model whose worker died still answered")
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+    rt.unload("victim")

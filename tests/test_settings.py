@@ -1,0 +1,78 @@
+"""Configuration: typed, validated at start, one-line errors, --help and README in step."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO
+from runtime import settings as config
+
+
+def test_defaults_match_the_design():
+    s = config.Settings.from_env({})
+    assert s.runtime_port == 8085
+    assert s.root_model_dir == "/models"
+    assert s.pvc_mounts_dir == "/pvc_mounts"
+    assert s.mem_buffer_bytes == 134217728
+    assert s.modelsize_multiplier == 1.25
+    assert s.default_modelsize == 1000000
+    assert s.loadtime_timeout == 90000
+    assert s.max_loading_concurrency == 2
+    assert s.workers_warm == 2
+    assert s.grpc_max_message_bytes == 64 * 1024 * 1024
+    assert s.container_mem_req_bytes is None
+    assert s.worker_preload[0] == "numpy"
+    assert s.runtime_dir.endswith(f"mesh-runtime-{os.getuid()}-8085")
+
+
+def test_values_are_typed():
+    s = config.Settings.from_env({"RUNTIME_PORT": "9000", "MODELSIZE_MULTIPLIER": "2.5",
+                                  "WORKER_PRELOAD": "numpy, json", "LOG_FORMAT": "JSON",
+                                  "CONTAINER_MEM_REQ_BYTES": "1_000_000_000"})
+    assert s.runtime_port == 9000
+    assert s.modelsize_multiplier == 2.5
+    assert s.worker_preload == ("numpy", "json")
+    assert s.log_format == "json"
+    assert s.container_mem_req_bytes == 1_000_000_000
+    assert s.runtime_dir.endswith("-9000")
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("RUNTIME_PORT", "eighty", "whole number"),
+    ("RUNTIME_PORT", "8090", "reserved"),
+    ("RUNTIME_PORT", "70000", "TCP port"),
+    ("LOADTIME_TIMEOUT", "50", "at least 100"),
+    ("MAX_LOADING_CONCURRENCY", "0", "at least 1"),
+    ("MODELSIZE_MULTIPLIER", "0", "greater than 0"),
+    ("ROOT_MODEL_DIR", "models", "absolute path"),
+    ("LOG_LEVEL", "loud", "one of"),
+    ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
+])
+def test_bad_value_names_the_variable(name, value, words):
+    with pytest.raises(config.SettingsError) as error:
+        config.Settings.from_env({name: value})
+    message = str(error.value)
+    assert message.startswith(f"{name}: ") and words in message and "\n" not in message
+
+
+def test_bad_value_stops_the_runtime_with_one_line():
+    env = {**os.environ, "MAX_LOADING_CONCURRENCY": "none"}
+    done = subprocess.run([sys.executable, "-m", "runtime"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "mesh-runtime: MAX_LOADING_CONCURRENCY: expected a whole number, got 'none'"]
+
+
+def test_help_lists_every_variable():
+    done = subprocess.run([sys.executable, "-m", "runtime", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)
+    for var in config.VARIABLES:
+        assert var.name in done.stdout
+
+
+def test_readme_table_is_generated_from_settings():
+    with open(os.path.join(REPO, "README.md")) as readme:
+        assert config.markdown_table() in readme.read(), \
+            "README's environment table is out of date: paste runtime.settings.markdown_table()"
