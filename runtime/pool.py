@@ -141,7 +141,8 @@ class WorkerPool:
             while self._spares:
                 worker = self._spares.popleft()
                 if worker.alive:
-                    self._schedule_refill()
+                    # No refill yet: on two cores a fork now would slow the load
+                    # this worker is for. The caller calls replenish() when done.
                     return worker
             if self._at_cap() and self._starting == 0:
                 raise status.out_of_workers(self.settings.workers_max)
@@ -156,6 +157,10 @@ class WorkerPool:
                 self._wake_a_waiter()
                 raise
             self._spare_waiters.remove(waiter)
+
+    def replenish(self) -> None:
+        """Forks spares in the background until WORKERS_WARM are ready again."""
+        self._schedule_refill()
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())

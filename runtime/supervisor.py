@@ -105,9 +105,12 @@ class Supervisor:
                     worker = await self.pool.take()
                     worker.model_id = spec.model_id
                     model.workers.append(worker)
-                    reply, _ = await self.pool.channel.request(
-                        worker.identity, protocol.OP_LOAD, model_id=spec.model_id,
-                        format=spec.format.name, path=spec.path)
+                    try:
+                        reply, _ = await self.pool.channel.request(
+                            worker.identity, protocol.OP_LOAD, model_id=spec.model_id,
+                            format=spec.format.name, path=spec.path)
+                    finally:
+                        self.pool.replenish()
                 if not reply["ok"]:
                     raise status.from_worker(spec.model_id, reply)
                 size = await asyncio.to_thread(memory.uss, worker.pid)

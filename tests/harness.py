@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -184,9 +185,9 @@ class Runtime:
                 self.process.wait()
         self.channel.close()
         self._log.close()
-        left = wait_until(lambda: not alive(processes) or None, timeout=10, what="the runtime's processes to end") \
-            if alive(processes) else None
-        assert not left
+        if alive(processes):
+            wait_until(lambda: not alive(processes), timeout=10, what="the runtime's processes to end")
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Runtime":
         return self.start()

@@ -399,3 +399,21 @@ def test_load_unload_load_in_quick_succession_ends_loaded(rt):
     assert rt.infer_fp32("flip", [1.0]).outputs
     assert rt.model_workers() == 1
     rt.unload("flip")
+
+
+def test_no_warm_spares_still_loads():
+    with Runtime(WORKERS_WARM="0") as runtime:
+        assert runtime.workers() == []
+        runtime.load("cold", runtime.model_dir("cold"))
+        assert runtime.infer_fp32("cold", [1.0]).outputs
+        runtime.unload("cold")
+
+
+def test_workers_max_refuses_a_load_beyond_the_cap():
+    with Runtime(WORKERS_WARM="1", WORKERS_MAX="1") as runtime:
+        runtime.load("first", runtime.model_dir("first"))
+        error = error_of(runtime.load, "second", runtime.model_dir("second"))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKERS_MAX" in error.details()
+        runtime.unload("first")
+        runtime.load("second", runtime.model_dir("second"))
+        runtime.unload("second")

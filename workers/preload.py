@@ -14,7 +14,7 @@ import sys
 
 from setproctitle import setproctitle
 
-from workers import lifeline, protocol
+from workers import formats, lifeline, protocol
 
 
 def _preload() -> None:
@@ -24,7 +24,8 @@ def _preload() -> None:
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())
     wanted = [m for m in os.environ.get(protocol.PRELOAD_ENV, "numpy").split(",") if m]
-    for name in [*wanted, "workers.loop"]:
+    # The format modules import their frameworks lazily, so they are cheap here.
+    for name in [*wanted, "workers.loop", *(f.module for f in formats.FORMATS)]:
         try:
             importlib.import_module(name)
         except Exception as error:  # a broken optional framework must not stop the pool

@@ -150,10 +150,15 @@ def _from_contents(tensor, count: int) -> np.ndarray:
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array
-    try:
-        return np.array(values, dtype=dtype)
-    except OverflowError:
-        raise InvalidInput(f"input {tensor.name!r}: a value does not fit {tensor.datatype}") from None
+    # Protobuf stores INT8/INT16 in int32 and UINT8/UINT16 in uint32: check the
+    # range ourselves, since numpy's cast would silently wrap 300 into 44.
+    wide = np.asarray(values)
+    if dtype.kind in "iu" and wide.size:
+        limits = np.iinfo(dtype)
+        if wide.min() < limits.min or wide.max() > limits.max:
+            raise InvalidInput(f"input {tensor.name!r}: a value does not fit {tensor.datatype} "
+                               f"({limits.min}..{limits.max})")
+    return wide.astype(dtype, copy=False)
 
 
 def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool) -> bytes:
