@@ -138,7 +138,7 @@ class Worker:
         except Exception as error:  # protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request)
-        outputs = self.model.predict(inputs, parameters)
+        outputs = self.model.predict(inputs, parameters, [o.name for o in request.outputs])
         return v2.encode_response(request, outputs, raw)
 
 

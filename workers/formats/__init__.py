@@ -3,8 +3,17 @@
 This module is plain data and imports no framework, so the front can validate
 a load (format known, framework installed, files present) before it touches a
 worker. The worker imports `Format.module` to load a model; each such module
-exposes `load(path) -> model` returning an object with `predict(inputs,
-parameters)` and optionally `metadata()`, `handle(method, data)`, `close()`.
+exposes `load(path) -> model`, an object with:
+
+    predict(inputs, parameters, requested_outputs) -> dict[str, array]
+        inputs: dict[str, numpy.ndarray]; parameters: the request's parameters
+        as plain values; requested_outputs: output names the request asked for
+        (empty: the format's default outputs). v2.encode_response selects and
+        orders what is returned.
+    metadata() -> dict | None   {"inputs"/"outputs": [{name, datatype, shape}],
+                                 "platform": str}, None when unknown
+    handles_methods: bool       True when handle(method, request_bytes) exists
+    close()                     called on unload (SIGTERM), best effort
 """
 from __future__ import annotations
 
