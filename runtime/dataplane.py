@@ -7,17 +7,23 @@ ModelReady carry no tensors and are answered here.
 
 The model id comes from the `mm-model-id-bin` header (UTF-8), else
 `mm-model-id`, else field 1 of the request (where model-mesh injects it).
+
+With ALLOW_ANY_METHOD, any other unary method is forwarded as bytes too; the
+worker hands it to the model's handle(method, request_bytes).
 """
 from __future__ import annotations
 
 import grpc
 
 from protos import grpc_predict_v2_pb2 as pb
-from runtime import __version__, status, wire
+from protos import wire
+from runtime import __version__, status
 from runtime.supervisor import Supervisor
 from workers import protocol
 
 SERVICE = "inference.GRPCInferenceService"
+# Services of our own that ALLOW_ANY_METHOD never hands to a model.
+NEVER_FORWARDED = ("/mmesh.", "/grpc.")
 
 
 def model_id_of(metadata, request: bytes) -> str:
@@ -41,8 +47,9 @@ def model_id_of(metadata, request: bytes) -> str:
 
 
 class InferenceService(grpc.GenericRpcHandler):
-    def __init__(self, supervisor: Supervisor):
+    def __init__(self, supervisor: Supervisor, allow_any_method: bool):
         self.supervisor = supervisor
+        self.allow_any_method = allow_any_method
         forwarded = {name: self._forwarder(name) for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)}
         local = {
             f"{SERVICE}/ServerLive": (self.server_live, pb.ServerLiveRequest),
@@ -58,7 +65,12 @@ class InferenceService(grpc.GenericRpcHandler):
                 response_serializer=lambda message: message.SerializeToString())
 
     def service(self, handler_call_details):
-        return self._handlers.get(handler_call_details.method)
+        method = handler_call_details.method
+        handler = self._handlers.get(method)
+        if handler is None and self.allow_any_method and not method.startswith(NEVER_FORWARDED):
+            # Built per call, not cached: method names come from clients.
+            handler = grpc.unary_unary_rpc_method_handler(self._forwarder(method.lstrip("/")))
+        return handler
 
     def _forwarder(self, method: str):
         async def forward(request: bytes, context) -> bytes:

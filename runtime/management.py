@@ -45,6 +45,9 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
         # The path checks walk the model's files: off the event loop.
         spec = await asyncio.to_thread(self._resolve, request)
         size = await self.supervisor.load(spec)
+        if self.settings.limit_model_concurrency:
+            concurrency = self.settings.model_replicas * self.settings.worker_threads
+            return pb.LoadModelResponse(sizeInBytes=size, maxConcurrency=concurrency)
         return pb.LoadModelResponse(sizeInBytes=size)
 
     @status.translated
@@ -80,6 +83,8 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
             runtimeVersion=__version__,
             methodInfos={name: pb.RuntimeStatusResponse.MethodInfo(idInjectionPath=path)
                          for name, path in METHOD_INFOS.items()},
+            limitModelConcurrency=self.settings.limit_model_concurrency,
+            allowAnyMethod=self.settings.allow_any_method,
         )
 
     def capacity(self) -> int:

@@ -58,6 +58,10 @@ class Worker:
         self.pid: int | None = None
         self.model_id: str | None = None
         self.started = time.monotonic()
+        self.in_flight = 0  # calls sent and not answered yet
+        self.served = 0
+        self.errors = 0
+        self.last_error = ""
         self.last_seen = self.started
         self.ready = loop.create_future()   # resolves on the worker's hello
         self.exited = loop.create_future()  # resolves to the exit code once reaped
@@ -201,6 +205,7 @@ class WorkerPool:
             "address": self.channel.address,
             "identity": identity,
             "heartbeat_timeout": WORKER_SILENCE_LIMIT,
+            "threads": self.settings.worker_threads,
             "log_level": self.settings.log_level,
             "log_format": self.settings.log_format,
         }

@@ -56,9 +56,10 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
         ("grpc.so_reuseport", 0),
     ])
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(ModelRuntimeServicer(settings, supervisor), server)
-    server.add_generic_rpc_handlers([InferenceService(supervisor)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
+    # Last: with ALLOW_ANY_METHOD it takes every method the others did not.
+    server.add_generic_rpc_handlers([InferenceService(supervisor, settings.allow_any_method)])
     return server
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 
 import grpc
 
@@ -65,6 +66,11 @@ def out_of_workers(limit: int) -> RpcError:
                     f"all {limit} worker processes allowed by WORKERS_MAX are in use")
 
 
+def queue_full(model_id: str, limit: int) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{limit} requests for {model_id!r} already wait for a free worker (MODEL_QUEUE_MAX)")
+
+
 def deadline_exceeded(model_id: str) -> RpcError:
     return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request for {model_id!r} ran past its deadline")
 
@@ -83,6 +89,7 @@ WORKER_ERROR_CODES = {
     protocol.ERROR_MODEL: grpc.StatusCode.INTERNAL,
     protocol.ERROR_UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     protocol.ERROR_NOT_LOADED: grpc.StatusCode.NOT_FOUND,
+    protocol.ERROR_EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -99,7 +106,6 @@ def describe_exit(exit_code: int | None) -> str:
     if exit_code is None:
         return "exit status unknown"
     if exit_code < 0:
-        import signal
         try:
             return f"killed by {signal.Signals(-exit_code).name}"
         except ValueError:

@@ -17,10 +17,12 @@ import logging
 import signal
 import time
 
+from protos import wire
 from runtime import memory, status
 from runtime.channel import PeerGone
 from runtime.modelspec import ModelSpec
 from runtime.pool import Worker, WorkerPool
+from runtime.replicas import ReplicaSet
 from runtime.settings import Settings
 from workers import protocol
 
@@ -42,6 +44,7 @@ class Model:
         self.model_id = spec.model_id
         self.state = State.LOADING
         self.workers: list[Worker] = []
+        self.replicas: ReplicaSet | None = None  # set once READY
         self.size = 0
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task | None = None
@@ -102,27 +105,35 @@ class Supervisor:
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 async with self._load_slots:
-                    worker = await self.pool.take()
-                    worker.model_id = spec.model_id
-                    model.workers.append(worker)
                     try:
-                        reply, _ = await self.pool.channel.request(
+                        await self._take_workers(model)
+                        replies = await asyncio.gather(*(self.pool.channel.request(
                             worker.identity, protocol.OP_LOAD, model_id=spec.model_id,
-                            format=spec.format.name, path=spec.path)
+                            format=spec.format.name, path=spec.path) for worker in model.workers))
                     finally:
                         self.pool.replenish()
-                if not reply["ok"]:
-                    raise status.from_worker(spec.model_id, reply)
-                size = await asyncio.to_thread(memory.uss, worker.pid)
+                for reply, _ in replies:
+                    if not reply["ok"]:
+                        raise status.from_worker(spec.model_id, reply)
+                sizes = await asyncio.gather(*(asyncio.to_thread(memory.uss, w.pid) for w in model.workers))
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
             raise status.worker_died(spec.model_id, "load", gone.exit_code) from None
-        model.size = size
+        model.size = sum(sizes)
+        model.replicas = ReplicaSet(spec.model_id, model.workers, self.settings.worker_threads,
+                                    self.settings.model_queue_max)
         model.state = State.READY
-        log.info("loaded %s: %.1f MiB in %.0f ms", spec.model_id, size / 2**20,
+        log.info("loaded %s: %.1f MiB in %.0f ms", spec.model_id, model.size / 2**20,
                  (time.monotonic() - model.load_started) * 1000, extra={"model_id": spec.model_id})
-        return size
+        return model.size
+
+    async def _take_workers(self, model: Model) -> None:
+        """MODEL_REPLICAS workers for the model, each recorded the moment it is ours."""
+        for _ in range(self.settings.model_replicas):
+            worker = await self.pool.take()
+            worker.model_id = model.model_id
+            model.workers.append(worker)
 
     def _after_load(self, model: Model, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -215,13 +226,17 @@ class Supervisor:
         return model is not None and model.state is State.READY
 
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
-        """Forwards a request's bytes to the model's worker and returns the response bytes."""
+        """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
         model = self._ready_model(model_id)
-        worker = model.workers[0]
+        deadline = time.time() + timeout if timeout is not None else None
         try:
             async with asyncio.timeout(timeout):
-                reply, payloads = await self.pool.channel.request(
-                    worker.identity, protocol.OP_CALL, [request], method=method)
+                worker = await model.replicas.acquire()
+                try:
+                    reply, payloads = await self.pool.channel.request(
+                        worker.identity, protocol.OP_CALL, [request], method=method, deadline=deadline)
+                finally:
+                    model.replicas.release(worker)
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:
@@ -229,5 +244,19 @@ class Supervisor:
                 raise status.model_not_found(model_id) from None
             raise status.worker_died(model_id, "call", gone.exit_code) from None
         if not reply["ok"]:
+            worker.errors += 1
+            worker.last_error = str(reply.get("message", ""))
             raise status.from_worker(model_id, reply)
-        return payloads[0] if payloads else b""
+        worker.served += 1
+        return _joined(payloads, reply.get("append_field"))
+
+
+def _joined(payloads: list[bytes], append_field: int | None) -> bytes:
+    """The response: the first frame, plus each further frame appended as field `append_field`."""
+    if len(payloads) == 1:
+        return payloads[0]
+    parts = [payloads[0]]
+    for extra in payloads[1:]:
+        parts.append(wire.bytes_field_header(append_field, len(extra)))
+        parts.append(extra)
+    return b"".join(parts)

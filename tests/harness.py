@@ -217,12 +217,19 @@ class Runtime:
     def spares(self) -> list[psutil.Process]:
         return [p for p in self.workers() if "worker spare" in " ".join(_cmdline(p))]
 
-    def settled_uss(self, warm: int = 1, timeout: float = 10.0) -> int:
-        """Tree USS once exactly `warm` spares run and the numbers stop moving."""
-        wait_until(lambda: len(alive(self.spares())) == warm and len(self.workers()) == warm + self.model_workers(),
-                   timeout=timeout, what=f"{warm} spare workers")
-        time.sleep(0.3)
-        return tree_uss(self.pid)
+    def settled_uss(self, warm: int = 1, timeout: float = 15.0) -> int:
+        """Tree USS once exactly `warm` spares run and two readings 0.3 s apart agree
+        (same processes, within 0.5 MiB): no worker still starting or dying."""
+        deadline = time.monotonic() + timeout
+        previous = None
+        while time.monotonic() < deadline:
+            if len(alive(self.spares())) == warm:
+                reading = (sorted(p.pid for p in alive(tree(self.pid))), tree_uss(self.pid))
+                if previous and previous[0] == reading[0] and abs(previous[1] - reading[1]) < MiB // 2:
+                    return reading[1]
+                previous = reading
+            time.sleep(0.3)
+        raise AssertionError(f"the runtime's memory did not settle within {timeout} s")
 
     def model_workers(self) -> int:
         return len([p for p in self.workers() if "model=" in " ".join(_cmdline(p))])

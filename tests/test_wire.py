@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from protos import grpc_predict_v2_pb2 as pb
-from runtime import wire
+from protos import wire
 
 MiB = 1024 * 1024
 MODEL_IDS = ["m", "sklearn-iris__isvc-6b2eb0b8bf", "モデル-ü__isvc-1", "x" * 300]

@@ -1,4 +1,4 @@
-"""The worker's serving loop: one DEALER socket, at most one model, one request at a time.
+"""The worker's serving loop: one DEALER socket, at most one model, WORKER_THREADS calls at a time.
 
 Life of a worker (the front drives it; see workers/protocol.py for messages):
 
@@ -7,15 +7,22 @@ Life of a worker (the front drives it; see workers/protocol.py for messages):
     call    -> decode the request, run the model, reply with the response bytes
     SIGTERM -> model.close() if it has one, exit; SIGKILL when the front is in a hurry
 
+With WORKER_THREADS > 1, calls run in a thread pool; ZeroMQ sockets are not
+thread-safe, so each thread hands its reply to the main loop over an inproc
+PUSH/PULL pair and only the main thread touches the DEALER. With one thread,
+calls run inline: no hop.
+
 The loop ends by itself when the front has been silent for longer than the
 heartbeat timeout; the parent-death signal (workers/lifeline.py) covers the
 rest.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -23,6 +30,7 @@ import zmq
 from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2 as pb
+from protos import wire
 from workers import formats, protocol, v2
 
 log = logging.getLogger("mesh.worker")
@@ -49,6 +57,16 @@ class Worker:
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+        threads = config.get("threads", 1)
+        if threads > 1:
+            self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")
+            self.replies = self.context.socket(zmq.PULL)
+            self.replies.bind("inproc://replies")
+            self.poller.register(self.replies, zmq.POLLIN)
+            self.thread_sockets = threading.local()
         self.handlers = {
             protocol.OP_PING: self.on_ping,
             protocol.OP_LOAD: self.on_load,
@@ -59,23 +77,41 @@ class Worker:
         self.socket.send(protocol.header(protocol.OP_HELLO, pid=os.getpid()))
         last_heard = time.monotonic()
         while True:
-            if not self.socket.poll(POLL_MS):
+            ready = dict(self.poller.poll(POLL_MS))
+            if not ready:
                 if time.monotonic() - last_heard > self.heartbeat_timeout:
                     log.error("no word from the front for %.0f s; exiting", self.heartbeat_timeout)
                     return
                 continue
-            frames = self.socket.recv_multipart(copy=False)
-            last_heard = time.monotonic()
-            try:
-                header, payloads = protocol.split([frame.buffer for frame in frames])
-            except protocol.ProtocolError as error:
-                log.error("dropping a malformed message: %s", error)
-                continue
-            handler = self.handlers.get(header["op"])
-            if handler is None:
-                log.error("dropping a message with op %r, which workers do not take", header["op"])
-                continue
+            if self.pool is not None and self.replies in ready:
+                self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
+            if self.socket in ready:
+                last_heard = time.monotonic()
+                self.receive()
+
+    def receive(self) -> None:
+        frames = self.socket.recv_multipart(copy=False)
+        try:
+            header, payloads = protocol.split([frame.buffer for frame in frames])
+        except protocol.ProtocolError as error:
+            log.error("dropping a malformed message: %s", error)
+            return
+        handler = self.handlers.get(header["op"])
+        if handler is None:
+            log.error("dropping a message with op %r, which workers do not take", header["op"])
+        elif header["op"] == protocol.OP_CALL and self.pool is not None:
+            self.pool.submit(self.call_in_thread, header, payloads)
+        else:
             self.socket.send_multipart(handler(header, payloads), copy=False)
+
+    def call_in_thread(self, header: dict, payloads: list) -> None:
+        reply = self.on_call(header, payloads)
+        push = getattr(self.thread_sockets, "push", None)
+        if push is None:
+            push = self.thread_sockets.push = self.context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect("inproc://replies")
+        push.send_multipart(reply, copy=False)
 
     def on_sigterm(self, signum, frame) -> None:
         try:
@@ -110,9 +146,13 @@ class Worker:
         request_id, method = header["id"], header["method"]
         if self.model is None:
             return [protocol.error_reply(request_id, protocol.ERROR_NOT_LOADED, "no model in this worker")]
-        request = bytes(payloads[0]) if payloads else b""
+        deadline = header.get("deadline")
+        if deadline is not None and time.time() > deadline:
+            return [protocol.error_reply(request_id, protocol.ERROR_EXPIRED,
+                                         "the request's deadline passed before it could run")]
+        request = payloads[0] if payloads else b""
         try:
-            body = self._dispatch(method, request)
+            return self._dispatch(request_id, method, request)
         except v2.InvalidInput as error:
             return [protocol.error_reply(request_id, protocol.ERROR_INVALID_INPUT, str(error))]
         except _Unimplemented as error:
@@ -121,25 +161,29 @@ class Worker:
             log.exception("model %s raised while serving %s", self.model_id, method,
                           extra={"model_id": self.model_id})
             return [protocol.error_reply(request_id, protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")]
+
+    def _dispatch(self, request_id: int, method: str, request) -> list:
+        if method == protocol.METHOD_INFER:
+            body, buffers = self._infer(request)
+            return [protocol.reply(request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
+        if method == protocol.METHOD_METADATA:
+            body = v2.metadata_response(self.model_id, self.format, self.model.metadata())
+        elif getattr(self.model, "handles_methods", False):
+            body = self.model.handle(method, bytes(request))
+        else:
+            raise _Unimplemented(f"model {self.model_id} does not serve {method}")
         return [protocol.reply(request_id), body]
 
-    def _dispatch(self, method: str, request: bytes) -> bytes:
-        if method == protocol.METHOD_INFER:
-            return self._infer(request)
-        if method == protocol.METHOD_METADATA:
-            return v2.metadata_response(self.model_id, self.format, self.model.metadata())
-        if getattr(self.model, "handles_methods", False):
-            return self.model.handle(method, request)
-        raise _Unimplemented(f"model {self.model_id} does not serve {method}")
-
-    def _infer(self, request_bytes: bytes) -> bytes:
+    def _infer(self, request_bytes) -> tuple[bytes, list]:
         try:
-            request = pb.ModelInferRequest.FromString(request_bytes)
-        except Exception as error:  # protobuf's DecodeError and friends
+            # The raw tensors stay views over the received frame; protobuf parses the rest.
+            rest, raw_inputs = wire.split_bytes_field(request_bytes, v2.RAW_INPUT_FIELD)
+            request = pb.ModelInferRequest.FromString(rest)
+        except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
-        inputs, parameters, raw = v2.decode_request(request)
+        inputs, parameters, raw = v2.decode_request(request, raw_inputs)
         outputs = self.model.predict(inputs, parameters, [o.name for o in request.outputs])
-        return v2.encode_response(request, outputs, raw)
+        return v2.encode_response_parts(request, outputs, raw)
 
 
 class _Unimplemented(Exception):

@@ -23,8 +23,14 @@ Messages:
     front  -> worker  ping   {}                       heartbeat; worker answers pong
     worker -> front   pong   {}
     front  -> worker  load   {id, model_id, format, path, key}
-    front  -> worker  call   {id, method} + [request bytes]
-    worker -> front   reply  {id, ok, error?, message?} + [response bytes]
+    front  -> worker  call   {id, method, deadline} + [request bytes]
+                             deadline: epoch seconds after which the call
+                             must not run (None: no deadline)
+    worker -> front   reply  {id, ok, error?, message?, append_field?}
+                             + [response bytes, extra bytes...]
+                             append_field: the front appends each extra
+                             frame to the response as this repeated bytes
+                             field (raw tensors travel as their own frames)
 
 A failed reply names an error kind (ERROR_* below); the front turns kinds
 into gRPC status codes in exactly one place (runtime/status.py).
@@ -56,8 +62,9 @@ ERROR_INVALID_INPUT = "invalid_input"  # the request does not fit the model (ten
 ERROR_MODEL = "model"                  # the model's code raised while serving
 ERROR_UNIMPLEMENTED = "unimplemented"  # the model does not serve this method
 ERROR_NOT_LOADED = "not_loaded"        # a call reached a worker that holds no model
+ERROR_EXPIRED = "expired"              # the call's deadline passed before it could run
 ERROR_KINDS = frozenset({ERROR_LOAD, ERROR_INVALID_INPUT, ERROR_MODEL,
-                         ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED})
+                         ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED, ERROR_EXPIRED})
 
 # Methods the worker serves itself; any other method goes to the model's handle().
 METHOD_INFER = "inference.GRPCInferenceService/ModelInfer"

@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 
 from protos import grpc_predict_v2_pb2 as pb
+from protos import wire
+
+# ModelInferRequest.raw_input_contents and ModelInferResponse.raw_output_contents
+RAW_INPUT_FIELD = 7
+RAW_OUTPUT_FIELD = 6
 
 # datatype -> (numpy dtype, typed contents field or None when raw-only)
 DATATYPES: dict[str, tuple[np.dtype, str | None]] = {
@@ -52,9 +57,15 @@ class BadModelOutput(ValueError):
     """The model returned something V2 cannot carry."""
 
 
-def decode_request(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
-    """-> (inputs by name, request parameters, whether the request used raw contents)."""
-    raw = list(request.raw_input_contents)
+def decode_request(request: pb.ModelInferRequest, raw_inputs: list | None = None
+                   ) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
+    """-> (inputs by name, request parameters, whether the request used raw contents).
+
+    raw_inputs: the raw_input_contents as buffers taken out of the request
+    before parsing (protos.wire.split_bytes_field), so that arrays view the
+    received bytes; None reads them from the parsed request.
+    """
+    raw = list(request.raw_input_contents) if raw_inputs is None else raw_inputs
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
     inputs: dict[str, np.ndarray] = {}
@@ -129,7 +140,7 @@ def _bytes_elements(name: str, data: bytes, count: int) -> np.ndarray:
         offset += 4
         if offset + length > len(data):
             raise InvalidInput(f"input {name!r}: raw BYTES element of {length} bytes runs past the end")
-        elements.append(data[offset:offset + length])
+        elements.append(bytes(data[offset:offset + length]))
         offset += length
     if len(elements) != count:
         raise InvalidInput(f"input {name!r}: shape needs {count} BYTES elements, raw contents hold {len(elements)}")
@@ -162,7 +173,19 @@ def _from_contents(tensor, count: int) -> np.ndarray:
 
 
 def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool) -> bytes:
-    """The model's outputs as a serialised ModelInferResponse for `request`."""
+    """The model's outputs as one serialised ModelInferResponse for `request`."""
+    body, buffers = encode_response_parts(request, outputs, raw)
+    return body + b"".join(wire.bytes_field_header(RAW_OUTPUT_FIELD, len(b)) + bytes(b) for b in buffers)
+
+
+def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool
+                          ) -> tuple[bytes, list]:
+    """-> (the response without raw_output_contents, the raw output buffers).
+
+    The buffers view the output arrays (no copy) and travel as separate ZeroMQ
+    frames; appending each as field RAW_OUTPUT_FIELD to the body gives the
+    full response, which the front does without parsing it.
+    """
     if not isinstance(outputs, dict):
         raise BadModelOutput(f"predict() returned {type(outputs).__name__}, expected a dict of arrays")
     wanted = [o.name for o in request.outputs] or list(outputs)
@@ -175,13 +198,14 @@ def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw:
     raw = raw or any(datatype == "FP16" for _, datatype, _ in tensors)
     response = pb.ModelInferResponse(model_name=request.model_name,
                                      model_version=request.model_version, id=request.id)
+    buffers = []
     for name, datatype, array in tensors:
         out = response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         if raw:
-            response.raw_output_contents.append(_to_raw(datatype, array))
+            buffers.append(_to_raw(datatype, array))
         else:
             _fill_contents(out.contents, datatype, array)
-    return response.SerializeToString()
+    return response.SerializeToString(), buffers
 
 
 def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
@@ -205,7 +229,7 @@ def _as_bytes(element: Any) -> bytes:
     return str(element).encode()
 
 
-def _to_raw(datatype: str, array: np.ndarray) -> bytes:
+def _to_raw(datatype: str, array: np.ndarray) -> bytes | memoryview:
     if datatype == "BYTES":
         parts = []
         for element in array.ravel():
@@ -213,7 +237,8 @@ def _to_raw(datatype: str, array: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(data)))
             parts.append(data)
         return b"".join(parts)
-    return np.ascontiguousarray(array, dtype=DATATYPES[datatype][0]).tobytes()
+    flat = np.ascontiguousarray(array, dtype=DATATYPES[datatype][0]).reshape(-1)
+    return memoryview(flat.view(np.uint8))
 
 
 def _fill_contents(contents, datatype: str, array: np.ndarray) -> None:

@@ -1,0 +1,83 @@
+"""The worker's call handling, in-process: deadlines, error kinds, raw frames out."""
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from protos import grpc_predict_v2_pb2 as v2
+from protos import wire
+from workers import protocol
+from workers.loop import Worker
+
+
+class CountingModel:
+    handles_methods = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def predict(self, inputs, parameters, requested_outputs):
+        self.calls += 1
+        if "boom" in inputs:
+            raise ZeroDivisionError("boom")
+        return {"y": inputs["x"] * 2}
+
+    def metadata(self):
+        return None
+
+
+@pytest.fixture
+def worker(tmp_path):
+    worker = Worker({"address": f"ipc://{tmp_path}/unit.sock", "identity": b"unit",
+                     "heartbeat_timeout": 1, "threads": 1})
+    worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
+    yield worker
+    worker.socket.close(linger=0)
+    worker.context.term()
+
+
+def raw_request(name="x"):
+    request = v2.ModelInferRequest(model_name="m")
+    request.inputs.add(name=name, datatype="FP32", shape=[2])
+    request.raw_input_contents.append(np.array([1.5, 2.0], dtype=np.float32).tobytes())
+    return request.SerializeToString()
+
+
+def call(worker, body, method=protocol.METHOD_INFER, deadline=None):
+    header = {"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": 7,
+              "method": method, "deadline": deadline}
+    reply = worker.on_call(header, [memoryview(body)])
+    return msgpack.unpackb(reply[0]), reply[1:]
+
+
+def test_expired_call_is_dropped_without_running(worker):
+    header, _ = call(worker, raw_request(), deadline=time.time() - 0.01)
+    assert header["ok"] is False and header["error"] == protocol.ERROR_EXPIRED
+    assert worker.model.calls == 0
+
+
+def test_raw_outputs_travel_as_their_own_frames(worker):
+    header, frames = call(worker, raw_request(), deadline=time.time() + 10)
+    assert header["ok"] and header["id"] == 7 and header["append_field"] == 6
+    body, raw_output = frames
+    assert np.frombuffer(raw_output, dtype=np.float32).tolist() == [3.0, 4.0]
+    joined = bytes(body) + wire.bytes_field_header(6, len(raw_output)) + bytes(raw_output)
+    response = v2.ModelInferResponse.FromString(joined)
+    assert response.outputs[0].name == "y" and len(response.raw_output_contents) == 1
+
+
+@pytest.mark.parametrize("body, method, kind", [
+    (b"\xff\xff", protocol.METHOD_INFER, protocol.ERROR_INVALID_INPUT),
+    (None, protocol.METHOD_INFER, protocol.ERROR_MODEL),
+    (b"", "acme.Scorer/Score", protocol.ERROR_UNIMPLEMENTED),
+], ids=["malformed", "model-raises", "no-handle"])
+def test_error_kinds(worker, body, method, kind):
+    header, _ = call(worker, raw_request("boom") if body is None else body, method)
+    assert header["ok"] is False and header["error"] == kind
+
+
+def test_call_without_a_model(worker):
+    worker.model = None
+    header, _ = call(worker, raw_request())
+    assert header["error"] == protocol.ERROR_NOT_LOADED
