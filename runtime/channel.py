@@ -1,8 +1,8 @@
 """The front's side of the worker sockets: one ZeroMQ ROUTER, many worker DEALERs.
 
 `request()` sends a header and payload frames to one worker and awaits the
-reply with the same request id. Messages a worker sends on its own (hello,
-pong) go to the `on_event` callback. `fail_peer()` fails every request still
+reply with the same request id. Every message a worker sends, replies
+included, is shown to the `on_event` callback first (hello, pong, liveness). `fail_peer()` fails every request still
 waiting on a worker that died, so no caller waits on a dead process.
 """
 from __future__ import annotations
@@ -98,8 +98,8 @@ class Channel:
     def _dispatch(self, frames: list) -> None:
         peer = frames[0].bytes
         header, payloads = protocol.split([frame.buffer for frame in frames[1:]])
+        self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
-            self._on_event(peer, header)
             return
         future = self._pending.get(header["id"])
         if future is None or future.done():

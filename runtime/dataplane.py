@@ -17,7 +17,7 @@ import grpc
 
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from runtime import __version__, status
+from runtime import __version__, modelspec, status
 from runtime.supervisor import Supervisor
 from workers import protocol
 
@@ -76,6 +76,7 @@ class InferenceService(grpc.GenericRpcHandler):
         async def forward(request: bytes, context) -> bytes:
             try:
                 model_id = model_id_of(context.invocation_metadata(), request)
+                modelspec.check_model_id(model_id)  # a 1 MiB id is refused, not looked up
                 return await self.supervisor.call(model_id, method, request, context.time_remaining())
             except status.RpcError as error:
                 await status.abort(context, error)

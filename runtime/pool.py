@@ -59,6 +59,8 @@ class Worker:
         self.model_id: str | None = None
         self.started = time.monotonic()
         self.in_flight = 0  # calls sent and not answered yet
+        self.loading = False  # a load keeps the worker's main thread from answering pings
+        self.kill_reason = ""  # why the front killed it, when it did
         self.served = 0
         self.errors = 0
         self.last_error = ""
@@ -70,12 +72,25 @@ class Worker:
     def alive(self) -> bool:
         return not self.exited.done()
 
+    @property
+    def serving(self) -> bool:
+        """Alive and not condemned: a worker the front has killed takes no more calls."""
+        return self.alive and not self.kill_reason
+
     def signal(self, signum: int) -> None:
         if self.pid is not None and self.alive:
             try:
                 os.kill(self.pid, signum)
             except ProcessLookupError:
                 pass  # already dead; the sentinel will tell
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL, remembering why: the exit handling and the status codes read it."""
+        if self.alive and not self.kill_reason:
+            self.kill_reason = reason
+            log.warning("killing %r: %s", self, reason,
+                        extra={"model_id": self.model_id} if self.model_id else None)
+        self.signal(signal.SIGKILL)
 
     def __repr__(self) -> str:
         return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"
@@ -290,15 +305,25 @@ class WorkerPool:
         return code
 
     async def _heartbeat_forever(self) -> None:
+        """Pings every worker each second; kills one that stays silent while it should not be."""
         ping = protocol.header(protocol.OP_PING)
+        silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
+            now = time.monotonic()
             for worker in list(self._workers.values()):
-                if worker.ready.done() and worker.alive:
-                    try:
-                        await self.channel.send(worker.identity, ping)
-                    except PeerGone:
-                        pass  # it is dying; the sentinel will report it
+                if not (worker.ready.done() and worker.alive):
+                    continue
+                # A worker running a load or a call (one thread) cannot answer:
+                # LOADTIME_TIMEOUT and WORKER_REQUEST_TIMEOUT_MS watch those.
+                busy = worker.loading or worker.in_flight > 0
+                if not busy and now - worker.last_seen > silence_limit:
+                    worker.kill(f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
+                    continue
+                try:
+                    await self.channel.send(worker.identity, ping)
+                except PeerGone:
+                    pass  # it is dying; the sentinel will report it
 
     def _background(self, coroutine, name: str) -> asyncio.Task:
         task = asyncio.create_task(coroutine, name=name)

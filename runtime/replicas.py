@@ -1,11 +1,12 @@
-"""Where a model's next request goes: the least busy replica, or a bounded queue.
+"""Where a model's next request goes: the least busy replica, or a bounded line.
 
-A model has MODEL_REPLICAS workers, each running up to WORKER_THREADS calls
-at once. `acquire()` picks the replica with the fewest calls in flight; when
-every replica is full the caller waits in line, and when MODEL_QUEUE_MAX
-callers already wait it is refused with RESOURCE_EXHAUSTED (model-mesh
-retries elsewhere). `release()` hands the freed replica straight to the
-first in line, so the line is served in order.
+A model has up to MODEL_REPLICAS ready workers, each running up to
+WORKER_THREADS calls at once. `acquire()` picks the ready replica with the
+fewest calls in flight; when none has room (all busy, or all being healed)
+the caller waits in line, and when MODEL_QUEUE_MAX callers already wait it
+is refused with RESOURCE_EXHAUSTED (model-mesh retries elsewhere). Whenever
+room appears (a call ends, a healed replica joins) the line is served in
+order. `fail_line()` ends every wait when the model goes away.
 """
 from __future__ import annotations
 
@@ -17,19 +18,27 @@ from runtime.pool import Worker
 
 
 class ReplicaSet:
-    def __init__(self, model_id: str, workers: list[Worker], threads: int, queue_max: int):
+    def __init__(self, model_id: str, threads: int, queue_max: int):
         self.model_id = model_id
-        self.workers = workers
         self.threads = threads
         self.queue_max = queue_max
+        self.workers: list[Worker] = []  # ready to serve
         self._line: collections.deque[asyncio.Future] = collections.deque()
 
     @property
     def waiting(self) -> int:
         return len(self._line)
 
+    def add(self, worker: Worker) -> None:
+        self.workers.append(worker)
+        self._serve_line()
+
+    def remove(self, worker: Worker) -> None:
+        if worker in self.workers:
+            self.workers.remove(worker)
+
     def _least_busy(self) -> Worker | None:
-        free = [w for w in self.workers if w.alive and w.in_flight < self.threads]
+        free = [w for w in self.workers if w.serving and w.in_flight < self.threads]
         return min(free, key=lambda w: w.in_flight, default=None)
 
     async def acquire(self) -> Worker:
@@ -42,20 +51,30 @@ class ReplicaSet:
         turn = asyncio.get_running_loop().create_future()
         self._line.append(turn)
         try:
-            return await turn  # release() counted the call in for us
+            return await turn  # _serve_line counted the call in for us
         except BaseException:
-            if turn.done() and not turn.cancelled():
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
                 self.release(turn.result())  # handed a replica as we gave up: pass it on
-            else:
+            elif turn in self._line:
                 self._line.remove(turn)
             raise
 
     def release(self, worker: Worker) -> None:
+        worker.in_flight -= 1
+        self._serve_line()
+
+    def _serve_line(self) -> None:
+        while self._line:
+            worker = self._least_busy()
+            if worker is None:
+                return
+            turn = self._line.popleft()
+            if not turn.done():
+                worker.in_flight += 1
+                turn.set_result(worker)
+
+    def fail_line(self, error: Exception) -> None:
         while self._line:
             turn = self._line.popleft()
             if not turn.done():
-                if worker.alive:
-                    turn.set_result(worker)
-                    return
-                turn.set_exception(status.unavailable(f"the worker serving {self.model_id!r} died"))
-        worker.in_flight -= 1
+                turn.set_exception(error)

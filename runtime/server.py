@@ -22,11 +22,9 @@ from runtime.dataplane import InferenceService
 from runtime.management import ModelRuntimeServicer
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
-from workers import logsetup
+from workers import lifeline, logsetup
 
 log = logging.getLogger("mesh.server")
-
-SHUTDOWN_GRACE_SECONDS = 5.0
 
 SERVICE_NAMES = (
     model_runtime_pb2.DESCRIPTOR.services_by_name["ModelRuntime"].full_name,
@@ -39,6 +37,8 @@ SERVICE_NAMES = (
 def run(settings: Settings) -> int:
     logsetup.setup("front", settings.log_level, settings.log_format)
     setproctitle(f"mesh-runtime front port={settings.runtime_port}")
+    if not lifeline.set_oom_score_adj(lifeline.FRONT_OOM_SCORE_ADJ):
+        log.info("cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it")
     try:
         rundir.prepare(settings.runtime_dir)
     except rundir.RuntimeDirError as error:
@@ -89,12 +89,12 @@ async def serve(settings: Settings) -> int:
         await supervisor.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await stop.wait()
-        log.info("stopping: no new calls, %.0f s for those under way", SHUTDOWN_GRACE_SECONDS)
+        log.info("stopping: no new calls, %.1f s for those under way", settings.shutdown_grace_ms / 1000)
     except Exception:
         log.exception("the worker pool failed; stopping")
         exit_code = 1
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    await server.stop(settings.shutdown_grace_ms / 1000)
     await supervisor.close()
     rundir.remove(settings.runtime_dir)
     log.info("stopped; every worker reaped")

@@ -71,6 +71,17 @@ def queue_full(model_id: str, limit: int) -> RpcError:
                     f"{limit} requests for {model_id!r} already wait for a free worker (MODEL_QUEUE_MAX)")
 
 
+def over_memory_limit(model_id: str, reason: str) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the worker serving {model_id!r} was killed, {reason}; the model is reloading")
+
+
+def request_too_long(model_id: str, limit_ms: int) -> RpcError:
+    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request for {model_id!r} ran past WORKER_REQUEST_TIMEOUT_MS={limit_ms}; "
+                    f"its worker was killed and the model is reloading")
+
+
 def deadline_exceeded(model_id: str) -> RpcError:
     return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request for {model_id!r} ran past its deadline")
 

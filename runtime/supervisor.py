@@ -1,16 +1,25 @@
-"""The model table and each model's life: load, serve, unload, purge.
+"""The model table and each model's life: load, serve, heal, unload, purge.
 
 A model moves LOADING -> READY -> UNLOADING -> (gone), or LOADING -> UNLOADING
 when its load fails, times out or is cancelled. Leaving the table always goes
-through `_discard()`: it kills the model's worker and removes the model only
-once the worker is reaped, and `Model.gone` resolves then. So an unloadModel
-that awaits `gone` returns with the memory back in the OS, and nothing that
+through `_discard()`: it kills the model's workers and removes the model only
+once they are reaped, and `Model.gone` resolves then. So an unloadModel that
+awaits `gone` returns with the memory back in the OS, and nothing that
 finishes later can bring the model back: the worker that would have done it
 is dead and the table entry belongs to nobody.
+
+Healing: when a worker of a READY model dies (crash, OOM kill, or killed by
+the front as hung or over its memory limit), its calls fail at once
+(UNAVAILABLE, or RESOURCE_EXHAUSTED for the memory limit) and a fresh worker
+reloads the model after a capped backoff; calls that arrive meanwhile wait in
+the model's line. A model that dies MODEL_CRASH_LIMIT times within
+MODEL_CRASH_WINDOW_MS is dropped, so it answers NOT_FOUND and model-mesh
+places it elsewhere.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import functools
 import logging
@@ -30,6 +39,11 @@ log = logging.getLogger("mesh.supervisor")
 
 # How long a worker may take to run its model's close() on unload before SIGKILL.
 UNLOAD_GRACE_SECONDS = 2.0
+# Reload after the n-th recent crash waits HEAL_BACKOFF_SECONDS * 2**(n-1), at most the cap.
+HEAL_BACKOFF_SECONDS = 0.1
+HEAL_BACKOFF_CAP_SECONDS = 5.0
+MEMORY_LIMIT_REASON = "over WORKER_MEMORY_LIMIT_BYTES"
+REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
 
 
 class State(enum.Enum):
@@ -39,15 +53,17 @@ class State(enum.Enum):
 
 
 class Model:
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, settings: Settings):
         self.spec = spec
         self.model_id = spec.model_id
         self.state = State.LOADING
-        self.workers: list[Worker] = []
-        self.replicas: ReplicaSet | None = None  # set once READY
+        self.workers: list[Worker] = []  # every worker this model owns, loading ones included
+        self.replicas = ReplicaSet(spec.model_id, settings.worker_threads, settings.model_queue_max)
         self.size = 0
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task | None = None
+        self.heal_task: asyncio.Task | None = None
+        self.crashes: collections.deque[float] = collections.deque()
         self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash
         self.gone = asyncio.get_running_loop().create_future()  # resolves once nothing is left
 
@@ -58,20 +74,29 @@ class Supervisor:
         self.pool = WorkerPool(settings, self._on_worker_exit)
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
+        self._watchdog: asyncio.Task | None = None
 
     @property
     def ready(self) -> bool:
         return self.pool.ready
 
+    def models(self) -> list[Model]:
+        return list(self._models.values())
+
     async def start(self) -> None:
         await self.pool.start()
+        if self.settings.worker_memory_limit_bytes:
+            self._watchdog = asyncio.create_task(self._watch_memory(), name="memory-watchdog")
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for model in list(self._models.values()):
+            model.unload_requested = True
             self._discard(model)
         await self.pool.close()
 
-    # -- management ---------------------------------------------------------------
+    # -- loading --------------------------------------------------------------------
 
     async def load(self, spec: ModelSpec) -> int:
         """Loads the model (or finds it loaded) and returns its measured size in bytes."""
@@ -82,7 +107,7 @@ class Supervisor:
             if model.state is State.LOADING:
                 return await asyncio.shield(model.load_task)
             await asyncio.shield(model.gone)  # an unload is finishing: then load afresh
-        model = Model(spec)
+        model = Model(spec, self.settings)
         self._models[spec.model_id] = model
         log.info("loading %s (%s) from %s", spec.model_id, spec.format.name, spec.path,
                  extra={"model_id": spec.model_id})
@@ -106,13 +131,12 @@ class Supervisor:
             async with asyncio.timeout(timeout_ms / 1000):
                 async with self._load_slots:
                     try:
-                        await self._take_workers(model)
-                        replies = await asyncio.gather(*(self.pool.channel.request(
-                            worker.identity, protocol.OP_LOAD, model_id=spec.model_id,
-                            format=spec.format.name, path=spec.path) for worker in model.workers))
+                        for _ in range(self.settings.model_replicas):
+                            await self._take_worker(model)
+                        replies = await asyncio.gather(*(self._send_load(model, w) for w in model.workers))
                     finally:
                         self.pool.replenish()
-                for reply, _ in replies:
+                for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
                 sizes = await asyncio.gather(*(asyncio.to_thread(memory.uss, w.pid) for w in model.workers))
@@ -121,19 +145,29 @@ class Supervisor:
         except PeerGone as gone:
             raise status.worker_died(spec.model_id, "load", gone.exit_code) from None
         model.size = sum(sizes)
-        model.replicas = ReplicaSet(spec.model_id, model.workers, self.settings.worker_threads,
-                                    self.settings.model_queue_max)
+        for worker in model.workers:
+            model.replicas.add(worker)
         model.state = State.READY
         log.info("loaded %s: %.1f MiB in %.0f ms", spec.model_id, model.size / 2**20,
                  (time.monotonic() - model.load_started) * 1000, extra={"model_id": spec.model_id})
         return model.size
 
-    async def _take_workers(self, model: Model) -> None:
-        """MODEL_REPLICAS workers for the model, each recorded the moment it is ours."""
-        for _ in range(self.settings.model_replicas):
-            worker = await self.pool.take()
-            worker.model_id = model.model_id
-            model.workers.append(worker)
+    async def _take_worker(self, model: Model) -> Worker:
+        """A spare for the model, recorded as the model's the moment it is ours."""
+        worker = await self.pool.take()
+        worker.model_id = model.model_id
+        model.workers.append(worker)
+        return worker
+
+    async def _send_load(self, model: Model, worker: Worker) -> dict:
+        worker.loading = True
+        try:
+            reply, _ = await self.pool.channel.request(
+                worker.identity, protocol.OP_LOAD, model_id=model.model_id,
+                format=model.spec.format.name, path=model.spec.path)
+            return reply
+        finally:
+            worker.loading = False
 
     def _after_load(self, model: Model, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -142,6 +176,8 @@ class Supervisor:
             log.warning("load of %s failed: %s", model.model_id, task.exception(),
                         extra={"model_id": model.model_id})
             self._discard(model)
+
+    # -- unloading --------------------------------------------------------------------
 
     async def unload(self, model_id: str) -> None:
         """Returns once no worker of the model is alive; at once for an unknown id."""
@@ -164,19 +200,15 @@ class Supervisor:
             self._discard(model)
         await asyncio.gather(*(asyncio.shield(m.gone) for m in models))
 
-    async def model_size(self, model_id: str) -> int:
-        model = self._ready_model(model_id)
-        sizes = await asyncio.gather(*(asyncio.to_thread(memory.uss, w.pid) for w in model.workers))
-        model.size = sum(sizes)
-        return model.size
-
     def _discard(self, model: Model, grace: float = 0.0) -> None:
-        """Starts removing a model: cancel its load, end its workers; `gone` resolves when done."""
+        """Starts removing a model: stop its load or heal, end its workers; `gone` resolves when done."""
         if model.state is State.UNLOADING:
             return
         model.state = State.UNLOADING
-        if model.load_task is not None and not model.load_task.done():
-            model.load_task.cancel()
+        for task in (model.load_task, model.heal_task):
+            if task is not None and not task.done():
+                task.cancel()
+        model.replicas.fail_line(status.model_not_found(model.model_id))
         alive = [w for w in model.workers if w.alive]
         if not alive:
             self._forget(model)
@@ -204,14 +236,64 @@ class Supervisor:
             model.gone.set_result(None)
         log.info("%s unloaded; its memory is back", model.model_id, extra={"model_id": model.model_id})
 
+    # -- healing ------------------------------------------------------------------------
+
     def _on_worker_exit(self, worker: Worker, exit_code: int | None) -> None:
         model = self._models.get(worker.model_id) if worker.model_id else None
         # A loading model learns of the death from its pending load request.
         if model is None or model.state is not State.READY or worker not in model.workers:
             return
-        log.error("the worker of %s died (%s); the model is dropped", model.model_id,
-                  status.describe_exit(exit_code), extra={"model_id": model.model_id})
-        self._discard(model)
+        model.workers.remove(worker)
+        model.replicas.remove(worker)
+        cause = worker.kill_reason or status.describe_exit(exit_code)
+        if self._crash_limit_reached(model):
+            log.error("dropping %s: its workers died %d times within %d ms (last: %s); "
+                      "model-mesh will place it elsewhere", model.model_id, len(model.crashes),
+                      self.settings.model_crash_window_ms, cause, extra={"model_id": model.model_id})
+            self._discard(model)
+            return
+        log.error("the worker of %s died (%s); healing", model.model_id, cause,
+                  extra={"model_id": model.model_id})
+        if model.heal_task is None or model.heal_task.done():
+            model.heal_task = asyncio.create_task(self._heal(model), name=f"heal-{model.model_id}")
+
+    def _crash_limit_reached(self, model: Model) -> bool:
+        now = time.monotonic()
+        model.crashes.append(now)
+        while model.crashes and now - model.crashes[0] > self.settings.model_crash_window_ms / 1000:
+            model.crashes.popleft()
+        return len(model.crashes) >= self.settings.model_crash_limit
+
+    async def _heal(self, model: Model) -> None:
+        """Reloads the model into fresh workers until it has all its replicas again."""
+        while model.state is State.READY and len(model.workers) < self.settings.model_replicas:
+            await asyncio.sleep(min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1)))
+            worker = await self._take_worker(model)
+            try:
+                async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
+                    reply = await self._send_load(model, worker)
+            except (PeerGone, TimeoutError):
+                reply = {"ok": False, "message": "the reload did not finish"}
+            finally:
+                self.pool.replenish()
+            if reply["ok"]:
+                model.replicas.add(worker)
+                log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
+            else:
+                # Counted as a crash by _on_worker_exit, which may drop the model.
+                worker.kill(f"reload failed: {reply.get('message')}")
+                await asyncio.shield(worker.exited)
+
+    async def _watch_memory(self) -> None:
+        """Kills a model worker whose USS grows past WORKER_MEMORY_LIMIT_BYTES."""
+        limit = self.settings.worker_memory_limit_bytes
+        while True:
+            await asyncio.sleep(0.5)
+            workers = [w for m in self.models() for w in m.replicas.workers if w.alive]
+            sizes = await asyncio.to_thread(_sizes, workers)
+            for worker, size in zip(workers, sizes):
+                if size > limit:
+                    worker.kill(f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
 
     # -- inference ------------------------------------------------------------------
 
@@ -225,6 +307,12 @@ class Supervisor:
         model = self._models.get(model_id)
         return model is not None and model.state is State.READY
 
+    async def model_size(self, model_id: str) -> int:
+        model = self._ready_model(model_id)
+        sizes = await asyncio.to_thread(_sizes, model.replicas.workers)
+        model.size = sum(sizes)
+        return model.size
+
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
         """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
         model = self._ready_model(model_id)
@@ -233,22 +321,50 @@ class Supervisor:
             async with asyncio.timeout(timeout):
                 worker = await model.replicas.acquire()
                 try:
-                    reply, payloads = await self.pool.channel.request(
-                        worker.identity, protocol.OP_CALL, [request], method=method, deadline=deadline)
+                    reply, payloads = await self._call_worker(worker, method, request, deadline)
                 finally:
                     model.replicas.release(worker)
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:
-            if model.unload_requested:  # the documented race: a request just as mesh unloads
-                raise status.model_not_found(model_id) from None
-            raise status.worker_died(model_id, "call", gone.exit_code) from None
+            raise self._death_status(model, worker, gone.exit_code) from None
         if not reply["ok"]:
             worker.errors += 1
             worker.last_error = str(reply.get("message", ""))
             raise status.from_worker(model_id, reply)
         worker.served += 1
         return _joined(payloads, reply.get("append_field"))
+
+    async def _call_worker(self, worker: Worker, method: str, request: bytes, deadline: float | None):
+        limit_ms = self.settings.worker_request_timeout_ms
+        call = self.pool.channel.request(worker.identity, protocol.OP_CALL, [request],
+                                         method=method, deadline=deadline)
+        if not limit_ms:
+            return await call
+        try:
+            async with asyncio.timeout(limit_ms / 1000):
+                return await call
+        except TimeoutError:
+            worker.kill(f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
+            raise status.request_too_long(worker.model_id, limit_ms) from None
+
+    def _death_status(self, model: Model, worker: Worker, exit_code: int | None) -> status.RpcError:
+        if model.unload_requested:  # the documented race: a request just as mesh unloads
+            return status.model_not_found(model.model_id)
+        if worker.kill_reason.startswith(MEMORY_LIMIT_REASON):
+            return status.over_memory_limit(model.model_id, worker.kill_reason)
+        return status.worker_died(model.model_id, "call", exit_code)
+
+
+def _sizes(workers: list[Worker]) -> list[int]:
+    """USS of each worker (0 for one that just ended); blocking, so run in a thread."""
+    sizes = []
+    for worker in workers:
+        try:
+            sizes.append(memory.uss(worker.pid))
+        except Exception:
+            sizes.append(0)
+    return sizes
 
 
 def _joined(payloads: list[bytes], append_field: int | None) -> bytes:

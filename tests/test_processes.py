@@ -68,14 +68,12 @@ def test_worker_titles_and_tree(rt):
     rt.unload("titled__isvc-1")
 
 
-def test_worker_killed_from_outside_drops_its_model(rt):
-    import grpc
+def test_worker_killed_from_outside_is_replaced(rt):
     rt.load("victim", rt.model_dir("victim"))
-    rt.worker_for("victim").kill()
-    wait_until(lambda: "died (killed by SIGKILL)" in rt.log(), what="the front to notice")
-    try:
-        rt.infer_fp32("victim", [1.0])
-        raise AssertionError("a model whose worker died still answered")
-    except grpc.RpcError as error:
-        assert error.code() == grpc.StatusCode.NOT_FOUND
+    first = rt.worker_for("victim")
+    first.kill()
+    wait_until(lambda: "died (killed by SIGKILL); healing" in rt.log(), what="the front to notice")
+    assert rt.infer_fp32("victim", [1.0]).outputs  # waits for the heal, then served
+    second = rt.worker_for("victim")
+    assert second is not None and second.pid != first.pid
     rt.unload("victim")

@@ -1,4 +1,8 @@
-"""Ties a process's life to its parent's: no orphans even when the front is SIGKILLed.
+"""Ties a process's life to its parent's, and says who dies first when memory runs out.
+
+No orphans even when the front is SIGKILLed: each process asks Linux for a
+signal when its parent dies. And the kernel's OOM killer should pick a worker
+(one model lost, and healed) rather than the front (every model lost).
 
 Linux delivers the parent-death signal when the parent *thread* that forked us
 exits; the fork server forks from its only thread and the front starts the
@@ -26,3 +30,18 @@ def forkserver_pid() -> int | None:
     """The fork server's pid as it recorded it before forking us (None outside a worker)."""
     value = os.environ.get(FORKSERVER_PID_ENV)
     return int(value) if value else None
+
+
+# /proc/PID/oom_score_adj runs from -1000 (never kill) to 1000 (kill first).
+WORKER_OOM_SCORE_ADJ = 800
+FRONT_OOM_SCORE_ADJ = -900
+
+
+def set_oom_score_adj(value: int) -> bool:
+    """Best effort: lowering the score needs CAP_SYS_RESOURCE, raising it does not."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as adj:
+            adj.write(str(value))
+        return True
+    except OSError:
+        return False

@@ -17,6 +17,7 @@ from workers import lifeline, logsetup
 
 def run(config: dict[str, Any]) -> None:
     lifeline.die_with_parent(lifeline.forkserver_pid())
+    lifeline.set_oom_score_adj(lifeline.WORKER_OOM_SCORE_ADJ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     setproctitle("mesh-runtime worker spare")
     logsetup.setup("worker", config["log_level"], config["log_format"])

@@ -1,0 +1,192 @@
+"""Failure behaviour: crashes heal, crash loops drop, hung and greedy workers die, shutdown drains."""
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from harness import MiB, Runtime, alive, mesh_headers, tree, wait_until
+from protos import grpc_predict_v2_pb2 as v2
+
+# Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "freeze" starts
+# a thread that holds the GIL forever (a catastrophic regex), "grow" allocates
+# 300 MiB and holds it for 5 s. Otherwise it answers with its pid.
+TROUBLE = """
+    import ctypes, os, re, threading, time
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+            if os.path.exists(os.path.join(path, "crashy")):
+                threading.Timer(0.3, os._exit, (9,)).start()
+
+        def predict(self, inputs):
+            if "segv" in inputs:
+                ctypes.string_at(0)
+            if "sleep" in inputs:
+                time.sleep(30)
+            if "freeze" in inputs:
+                threading.Timer(0.2, re.match, (r"(a+)+$", "a" * 64 + "b")).start()
+            if "grow" in inputs:
+                ballast = np.ones(300 * 1024 * 1024, dtype=np.uint8)
+                time.sleep(5)
+            return {"pid": np.array([os.getpid()], dtype=np.int64)}
+"""
+
+
+def ask(runtime, model_id, trouble=None, timeout=30):
+    request = v2.ModelInferRequest(model_name=model_id)
+    if trouble:
+        request.inputs.add(name=trouble, datatype="INT32", shape=[1]).contents.int_contents.append(0)
+    return runtime.infer.ModelInfer(request, timeout=timeout)
+
+
+def failure(call):
+    with pytest.raises(grpc.RpcError) as error:
+        call()
+    return error.value.code(), error.value.details()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    with Runtime(WORKER_REQUEST_TIMEOUT_MS="2000", WORKER_HEARTBEAT_TIMEOUT_MS="1500",
+                 WORKER_MEMORY_LIMIT_BYTES=str(150 * MiB), MODEL_CRASH_LIMIT="3") as runtime:
+        yield runtime
+
+
+@pytest.fixture
+def trouble(guarded):
+    models = []
+
+    def load(model_id, crashy=False):
+        path = guarded.model_dir(model_id, TROUBLE)
+        if crashy:
+            open(os.path.join(path, "crashy"), "w").close()
+        guarded.load(model_id, path)
+        models.append(model_id)
+        return guarded.worker_for(model_id)
+
+    yield load
+    for model_id in models:
+        guarded.unload(model_id)
+
+
+def test_sigkill_under_traffic_fails_fast_and_heals(guarded, trouble):
+    victim = trouble("victim")
+    trouble("bystander")
+    outcomes, stop = [], threading.Event()
+
+    def traffic(model_id):
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                ask(guarded, model_id, timeout=20)
+                outcomes.append((model_id, "ok", time.monotonic() - started))
+            except grpc.RpcError as error:
+                outcomes.append((model_id, error.code(), time.monotonic() - started))
+
+    threads = [threading.Thread(target=traffic, args=(m,)) for m in ("victim", "victim", "bystander")]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    victim.kill()
+    wait_until(lambda: (w := guarded.worker_for("victim")) is not None and w.pid != victim.pid,
+               timeout=30, what="a new worker for the victim")
+    healed_after = time.monotonic() - killed_at
+    time.sleep(0.5)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert healed_after <= 30
+    assert all(code in ("ok", grpc.StatusCode.UNAVAILABLE) for _, code, _ in outcomes), outcomes
+    assert all(model != "bystander" or code == "ok" for model, code, _ in outcomes)
+    assert max(seconds for _, _, seconds in outcomes) < 20, "a request hung"
+    assert [code for m, code, _ in outcomes if m == "victim"][-1] == "ok"
+
+
+def test_segfault_fails_only_its_request(guarded, trouble):
+    trouble("crasher")
+    trouble("neighbour")
+    code, details = failure(lambda: ask(guarded, "crasher", "segv"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "SIGSEGV" in details
+    assert ask(guarded, "neighbour").outputs
+    assert ask(guarded, "crasher").outputs  # healed
+    assert "died (killed by SIGSEGV); healing" in guarded.log()
+
+
+def test_crash_loop_drops_the_model(guarded, trouble):
+    trouble("looper", crashy=True)
+    wait_until(lambda: "dropping looper" in guarded.log(), timeout=30, what="the crash loop to be noticed")
+    code, _ = failure(lambda: ask(guarded, "looper"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert guarded.worker_for("looper") is None
+
+
+def test_request_past_worker_request_timeout_kills_and_heals(guarded, trouble):
+    first = trouble("sleeper")
+    code, details = failure(lambda: ask(guarded, "sleeper", "sleep"))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "WORKER_REQUEST_TIMEOUT_MS" in details
+    wait_until(lambda: not alive([first]), what="the stuck worker to die")
+    assert ask(guarded, "sleeper").outputs
+
+
+def test_worker_that_stops_answering_heartbeats_is_killed(guarded, trouble):
+    first = trouble("freezer")
+    ask(guarded, "freezer", "freeze")
+    wait_until(lambda: not alive([first]), timeout=15, what="the frozen worker to be killed")
+    assert "hung: no heartbeat answer" in guarded.log()
+    assert ask(guarded, "freezer").outputs
+
+
+def test_memory_limit_gives_resource_exhausted_and_heals(guarded, trouble):
+    first = trouble("greedy")
+    code, details = failure(lambda: ask(guarded, "greedy", "grow"))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKER_MEMORY_LIMIT_BYTES" in details
+    assert not alive([first])
+    assert ask(guarded, "greedy").outputs
+
+
+def test_oom_killer_prefers_workers_over_the_front(guarded, trouble):
+    worker = trouble("scored")
+
+    def score(pid):
+        with open(f"/proc/{pid}/oom_score_adj") as adj:
+            return int(adj.read())
+    assert score(worker.pid) == 800
+    assert score(guarded.pid) < score(worker.pid)
+
+
+def test_workers_open_no_tcp_port(guarded, trouble):
+    trouble("quiet")
+    for worker in guarded.workers():
+        assert worker.net_connections(kind="inet") == []
+
+
+def test_sigterm_lets_calls_under_way_finish():
+    runtime = Runtime().start()
+    runtime.load("slow", runtime.model_dir("slow", """
+        import time
+        class Model:
+            def __init__(self, path):
+                pass
+            def predict(self, inputs):
+                time.sleep(2)
+                return inputs
+    """))
+    processes = tree(runtime.pid)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(ask, runtime, "slow", None, 30) for _ in range(4)]
+        time.sleep(0.5)
+        stopped_at = time.monotonic()
+        runtime.process.send_signal(signal.SIGTERM)
+        for call in calls:
+            call.result(timeout=30)  # each completes
+    assert runtime.process.wait(15) == 0
+    assert time.monotonic() - stopped_at <= 15
+    wait_until(lambda: not alive(processes), timeout=5, what="no process left")
+    runtime.stop()
