@@ -153,5 +153,7 @@ def detect_format(key: dict[str, Any], model_type: str, path: str,
 
 
 def predicted_size(spec: ModelSpec, settings: Settings) -> int:
-    """A conservative size for a model not loaded yet: bytes on disk x multiplier, never below the floor."""
-    return max(int(spec.disk_bytes * settings.modelsize_multiplier), spec.format.size_floor, 1)
+    """A conservative size for a model not loaded yet: bytes on disk x multiplier, never below
+    the format's floor, for each of the MODEL_REPLICAS workers that will hold it."""
+    one_copy = max(int(spec.disk_bytes * settings.modelsize_multiplier), spec.format.size_floor, 1)
+    return one_copy * settings.model_replicas

@@ -1,0 +1,300 @@
+#!/usr/bin/env python3
+"""The first-run demo: a real mesh-runtime, driven the way model-mesh drives it.
+
+1. writes the example models (scripts/make_examples.py) into a private
+   ROOT_MODEL_DIR, skipping those whose framework is not installed;
+2. starts `python -m runtime` on a free port with its own RUNTIME_DIR and
+   polls runtimeStatus until READY;
+3. loads every example with loadModel, calls each with a sample input
+   (KServe V2 ModelInfer) and prints the answers;
+4. prints the worker table: pid, model, size reported, USS measured, load ms;
+5. unloads everything and prints the memory returned;
+6. stops the runtime with SIGTERM and checks that no process is left.
+
+All memory figures are USS read from outside with psutil. Exits non-zero if
+a step fails or a process outlives the runtime.
+
+usage: scripts/demo            (this file is its body, run with .venv/bin/python)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import numpy as np
+import psutil
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+
+import make_examples  # noqa: E402  (scripts/make_examples.py)
+from protos import grpc_predict_v2_pb2 as v2  # noqa: E402
+from protos import grpc_predict_v2_pb2_grpc as v2_grpc  # noqa: E402
+from protos import model_runtime_pb2 as mm  # noqa: E402
+from protos import model_runtime_pb2_grpc as mm_grpc  # noqa: E402
+
+MiB = 1024 * 1024
+WARM = 1           # one spare is enough for loads one at a time, and keeps the table short
+READY_TIMEOUT = 60
+CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents",
+            "INT32": "int32_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
+
+
+def say(section: str, text: str = "") -> None:
+    print(f"{section:<9} {text}".rstrip(), flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mib(size: float) -> str:
+    return f"{size / MiB:.1f} MiB"
+
+
+# -- the runtime as a child process -------------------------------------------------------
+
+class Runtime:
+    """`python -m runtime` in private temp folders, with gRPC stubs and process helpers."""
+
+    def __init__(self, root: str):
+        self.models = os.path.join(root, "models")
+        self.port = free_port()
+        self.log_path = os.path.join(root, "runtime.log")
+        self.env = {**os.environ, "RUNTIME_PORT": str(self.port), "ROOT_MODEL_DIR": self.models,
+                    "RUNTIME_DIR": os.path.join(root, "run"), "PVC_MOUNTS_DIR": os.path.join(root, "pvc"),
+                    "WORKERS_WARM": str(WARM), "METRICS_PORT": "0"}
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "runtime"], cwd=REPO, env=self.env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.mesh = mm_grpc.ModelRuntimeStub(self.channel)
+        self.infer = v2_grpc.GRPCInferenceServiceStub(self.channel)
+
+    def wait_ready(self) -> mm.RuntimeStatusResponse:
+        """Polls runtimeStatus, as model-mesh does, until READY."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the runtime exited with code {self.process.returncode}")
+            try:
+                answer = self.mesh.runtimeStatus(mm.RuntimeStatusRequest(), timeout=5)
+                if answer.status == mm.RuntimeStatusResponse.READY:
+                    return answer
+            except grpc.RpcError as error:
+                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+            time.sleep(0.1)
+        raise RuntimeError(f"the runtime was not READY after {READY_TIMEOUT} s")
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def titled(self, words: str) -> list[psutil.Process]:
+        return [p for p in self.tree() if words in _title(p)]
+
+    def settled_uss(self) -> int:
+        """The tree's USS once exactly WARM idle spares run (the pool refills after each load)."""
+        deadline = time.monotonic() + 10
+        while len(self.titled("worker spare")) != WARM and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # the new spare's hello and first allocations
+        return sum(_uss(p) for p in self.tree())
+
+    def stop(self) -> tuple[int, float]:
+        """SIGTERM and wait; -> (processes still alive 10 s later, seconds the stop took)."""
+        if self.process is None:
+            return 0, 0.0
+        processes = self.tree()
+        started = time.monotonic()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        took = time.monotonic() - started
+        self.channel.close()
+        deadline = time.monotonic() + 10
+        while _alive(processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(_alive(processes)), took
+
+    def log_tail(self, lines: int = 30) -> str:
+        with open(self.log_path, errors="replace") as log:
+            return "".join(log.readlines()[-lines:])
+
+
+def _title(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _uss(process: psutil.Process) -> int:
+    try:
+        return process.memory_full_info().uss
+    except psutil.Error:
+        return 0
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running (a zombie holds no memory: it counts as gone)."""
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+# -- model-mesh's calls ---------------------------------------------------------------------
+
+def mesh_headers(model_id: str) -> list[tuple[str, object]]:
+    return [("mm-model-id", model_id), ("mm-model-id-bin", model_id.encode())]
+
+
+def load(rt: Runtime, example: make_examples.Example) -> tuple[int, float]:
+    """loadModel as model-mesh sends it; -> (size reported, milliseconds)."""
+    request = mm.LoadModelRequest(modelId=example.name, modelPath=os.path.join(rt.models, example.name),
+                                  modelKey=json.dumps({"model_type": {"name": example.format}}))
+    started = time.monotonic()
+    size = rt.mesh.loadModel(request, timeout=60).sizeInBytes
+    return size, (time.monotonic() - started) * 1000
+
+
+def infer(rt: Runtime, example: make_examples.Example) -> dict[str, np.ndarray]:
+    sample = make_examples.SAMPLE
+    request = v2.ModelInferRequest(model_name=example.name)
+    tensor = request.inputs.add(name=make_examples.INPUT_NAME, datatype="FP32", shape=sample.shape)
+    tensor.contents.fp32_contents.extend(sample.ravel().tolist())
+    for name in example.outputs:
+        request.outputs.add(name=name)
+    response = rt.infer.ModelInfer(request, metadata=mesh_headers(example.name), timeout=30)
+    return {out.name: np.array(getattr(out.contents, CONTENTS[out.datatype])).reshape(out.shape)
+            for out in response.outputs}
+
+
+def shown(array) -> str:
+    """Numbers to two decimals, on one line."""
+    array = np.asarray(array)
+    if array.ndim == 0:
+        return f"{array:.2f}" if array.dtype.kind == "f" else str(array)
+    return "[" + ", ".join(shown(item) for item in array) + "]"
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+def write_examples(rt: Runtime) -> list[make_examples.Example]:
+    written = make_examples.make(rt.models, log=lambda line: say("examples", line))
+    say("examples", f"wrote {', '.join(e.name for e in written)} into {rt.models}")
+    return written
+
+
+def load_all(rt: Runtime, examples) -> dict[str, tuple[int, float]]:
+    say("load", "loadModel for each, modelKey {\"model_type\": {\"name\": FORMAT}}, as model-mesh sends it")
+    loaded = {}
+    for example in examples:
+        loaded[example.name] = load(rt, example)
+        size, ms = loaded[example.name]
+        say("", f"  {example.name:<14} {example.format:<9} {mib(size):>9}  {ms:5.0f} ms")
+    return loaded
+
+
+def infer_all(rt: Runtime, examples) -> None:
+    say("infer", f"ModelInfer, input {make_examples.INPUT_NAME!r} FP32 {shown(make_examples.SAMPLE)}"
+                 " (a setosa, a virginica)")
+    for example in examples:
+        answers = "   ".join(f"{name} {shown(array)}" for name, array in infer(rt, example).items())
+        say("", f"  {example.name:<14} {answers}")
+
+
+def worker_table(rt: Runtime, loaded: dict[str, tuple[int, float]]) -> int:
+    """Prints the table; -> the workers' USS added up."""
+    say("workers", f"{'pid':>7}  {'model':<14} {'size reported':>14} {'USS measured':>13} {'load ms':>8}")
+    total = 0
+    for model_id, (size, ms) in loaded.items():
+        worker = next(iter(rt.titled(f"model={model_id}")), None)
+        pid, uss = (worker.pid, _uss(worker)) if worker else (0, 0)
+        total += uss
+        say("", f"{pid:>7}  {model_id:<14} {mib(size):>14} {mib(uss):>13} {ms:>8.0f}")
+    for spare in rt.titled("worker spare"):
+        say("", f"{spare.pid:>7}  {'(warm spare)':<14} {'':>14} {mib(_uss(spare)):>13}")
+    say("", "size reported: the worker's USS right after its load, the size model-mesh gets;")
+    say("", "USS measured: now, after one inference (modelSize reports this)")
+    return total
+
+
+def unload_all(rt: Runtime, loaded) -> None:
+    workers = [w for model_id in loaded for w in rt.titled(f"model={model_id}")]
+    started = time.monotonic()
+    for model_id in loaded:
+        rt.mesh.unloadModel(mm.UnloadModelRequest(modelId=model_id), timeout=60)
+    gone = "every worker is gone" if not _alive(workers) else f"{len(_alive(workers))} workers still alive"
+    say("unload", f"unloadModel for each: {time.monotonic() - started:.2f} s in all; {gone}")
+
+
+def run(rt: Runtime) -> None:
+    examples = write_examples(rt)
+    started = time.monotonic()
+    rt.start()
+    status = rt.wait_ready()
+    say("runtime", f"python -m runtime on port {rt.port}: READY after {time.monotonic() - started:.1f} s "
+                   f"(capacity {status.capacityInBytes / 2**30:.1f} GiB, {WARM} warm spare)")
+    before = rt.settled_uss()
+    loaded = load_all(rt, examples)
+    infer_all(rt, examples)
+    workers_uss = worker_table(rt, loaded)
+    with_models = rt.settled_uss()
+    unload_all(rt, loaded)
+    after = rt.settled_uss()
+    print(f"memory returned: {mib(with_models - after)} (the runtime's processes: {mib(before)} before "
+          f"loading, {mib(with_models)} with the models, whose workers hold {mib(workers_uss)}, "
+          f"{mib(after)} after unloading)", flush=True)
+
+
+def main() -> int:
+    root = tempfile.mkdtemp(prefix="mesh-demo-")
+    rt = Runtime(root)
+    print("mesh-runtime demo: each model in its own worker process, sizes measured, memory back on unload\n")
+    ok = False
+    try:
+        run(rt)
+        ok = True
+    except Exception as error:
+        print(f"\ndemo failed: {type(error).__name__}: {error}", file=sys.stderr)
+        if os.path.exists(rt.log_path):
+            print(f"the runtime's log ends with:\n{rt.log_tail()}", file=sys.stderr)
+    finally:
+        left, took = rt.stop()
+        if left:
+            say("stopped", f"SIGTERM: {left} processes still alive 10 s after the runtime exited")
+        elif rt.process is not None:
+            say("stopped", f"SIGTERM: the runtime and all its processes exited in {took:.1f} s; no process left")
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if ok and not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Each model format end to end, on the bundled examples (scripts/make_examples.py).
+
+Per format: loadModel, V2 inference compared with the framework called
+directly on the same input, unload, memory back; the reported size against
+the memory the runtime grew by; predictModelSize against the size. A format
+whose framework is not installed is skipped with the extra to install (CI
+installs the `all` extra, torch included: its CPU wheel installs in about
+30 s). A missing framework is refused with FAILED_PRECONDITION naming the
+extra, tested both through a runtime that cannot see the frameworks and on
+modelspec.resolve directly.
+"""
+import importlib.util
+import json
+import os
+import sys
+import textwrap
+import warnings
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from harness import REPO, MiB, Runtime, mesh_headers, tree
+from protos import grpc_predict_v2_pb2 as v2
+from protos import model_runtime_pb2 as mm
+from runtime import modelspec, status
+from runtime.settings import Settings
+from workers import formats
+from workers.formats import common
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import make_examples  # noqa: E402  (scripts/make_examples.py)
+
+EXAMPLES = {example.format: example for example in make_examples.EXAMPLES}
+FORMAT_NAMES = [example.format for example in make_examples.EXAMPLES]
+
+
+@pytest.fixture(scope="module")
+def examples(runtime):
+    """format -> folder of its example inside the shared runtime's ROOT_MODEL_DIR."""
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("the examples need scikit-learn's iris data: pip install 'mesh-runtime[sklearn]'")
+    written = make_examples.make(runtime.models, log=lambda line: None)
+    return {example.format: os.path.join(runtime.models, example.name) for example in written}
+
+
+def example_path(examples, fmt: str) -> str:
+    if fmt not in examples:
+        missing = ", ".join(EXAMPLES[fmt].missing())
+        pytest.skip(f"{missing} not installed: pip install 'mesh-runtime[{EXAMPLES[fmt].extra}]'")
+    return examples[fmt]
+
+
+# -- talking V2 ----------------------------------------------------------------------------
+
+def infer(rt, model_id: str, array: np.ndarray, outputs=(), name=make_examples.INPUT_NAME,
+          datatype="FP32") -> v2.ModelInferResponse:
+    """ModelInfer with the input as raw bytes (as tritonclient sends it): the worker sees read-only views."""
+    request = v2.ModelInferRequest(model_name=model_id)
+    request.inputs.add(name=name, datatype=datatype, shape=array.shape)
+    request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+    for output in outputs:
+        request.outputs.add(name=output)
+    return rt.infer.ModelInfer(request, metadata=mesh_headers(model_id), timeout=30)
+
+
+NUMPY_OF = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
+
+
+def outputs_of(response: v2.ModelInferResponse) -> dict[str, np.ndarray]:
+    """The response's tensors as arrays; a raw request gets a raw response."""
+    arrays = {}
+    for index, tensor in enumerate(response.outputs):
+        raw = response.raw_output_contents[index]
+        arrays[tensor.name] = np.frombuffer(raw, dtype=NUMPY_OF[tensor.datatype]).reshape(tensor.shape)
+    return arrays
+
+
+def metadata(rt, model_id: str) -> v2.ModelMetadataResponse:
+    return rt.infer.ModelMetadata(v2.ModelMetadataRequest(name=model_id), metadata=mesh_headers(model_id),
+                                  timeout=10)
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        call(*args, **kwargs)
+    return error.value
+
+
+# -- the frameworks called directly ------------------------------------------------------
+
+def direct(fmt: str, path: str, features: np.ndarray) -> dict[str, np.ndarray]:
+    """What the framework itself answers for the example at path (all outputs)."""
+    model_file = common.model_file(path, fmt)
+    if fmt == "sklearn":
+        import joblib
+        estimator = joblib.load(model_file)
+        return {"predict": estimator.predict(features), "predict_proba": estimator.predict_proba(features)}
+    if fmt == "xgboost":
+        import xgboost
+        booster = xgboost.Booster(model_file=model_file)
+        return {"predict": booster.predict(xgboost.DMatrix(features))}
+    if fmt == "lightgbm":
+        import lightgbm
+        return {"predict": lightgbm.Booster(model_file=model_file).predict(features)}
+    if fmt == "onnx":
+        import onnxruntime
+        session = onnxruntime.InferenceSession(model_file, providers=["CPUExecutionProvider"])
+        names = [output.name for output in session.get_outputs()]
+        return dict(zip(names, session.run(names, {make_examples.INPUT_NAME: features})))
+    if fmt == "pytorch":
+        import torch
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript, deprecated in torch 2.13
+            return {"output__0": torch.jit.load(model_file)(torch.from_numpy(features.copy())).numpy()}
+    spec = importlib.util.spec_from_file_location("iris_custom_model", model_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Model(path).predict({make_examples.INPUT_NAME: features})
+
+
+def assert_same(served: dict, expected: dict) -> None:
+    assert set(served) <= set(expected), f"outputs {sorted(served)}, framework gives {sorted(expected)}"
+    for name, array in served.items():
+        assert array.shape == np.shape(expected[name]), name
+        np.testing.assert_allclose(array, expected[name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# -- memory, measured from outside --------------------------------------------------------
+
+def memory(rt) -> int:
+    """The runtime tree's USS, leaving out the fork server's clean file pages.
+
+    Those are library code the fork server read while importing the
+    frameworks; they count as its unique memory only until some other
+    process maps the same code, so they flip in and out of the total when a
+    worker first runs that code (6-11 MiB for onnxruntime) or when any other
+    process on the machine imports the same framework. What a model costs is
+    the rest: anonymous memory and the code only its worker maps.
+    """
+    rt.settled_uss()  # waits until exactly one idle spare runs and nothing moves
+    return sum(_unique(process) for process in tree(rt.pid))
+
+
+def _unique(process: psutil.Process) -> int:
+    try:
+        if "forkserver" in " ".join(process.cmdline()):
+            with open(f"/proc/{process.pid}/smaps_rollup") as rollup:
+                fields = dict(line.split(":", 1) for line in rollup.read().splitlines()[1:])
+            return int(fields["Private_Dirty"].split()[0]) * 1024
+        return process.memory_full_info().uss
+    except (psutil.NoSuchProcess, FileNotFoundError):
+        return 0
+
+
+# -- one test per format --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_format_end_to_end(rt, examples, fmt):
+    path = example_path(examples, fmt)
+    model_id = f"e2e-{fmt}"
+    example = EXAMPLES[fmt]
+    expected = direct(fmt, path, make_examples.SAMPLE)  # imports the framework here before measuring
+    rt.load(f"warm-{fmt}", path, fmt=fmt)  # the front's first load of a format allocates a little
+    rt.unload(f"warm-{fmt}")
+
+    before = memory(rt)
+    size = rt.load(model_id, path, fmt=fmt).sizeInBytes
+    growth = memory(rt) - before
+    assert abs(size - growth) <= 0.10 * growth, f"reported {size / MiB:.2f} MiB, grew {growth / MiB:.2f} MiB"
+
+    served = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=example.outputs))
+    assert served and set(served) == set(example.outputs or served)
+    assert_same(served, expected)
+    first = next(iter(served.values()))  # labels, or one probability per class
+    assert list(first.argmax(axis=1) if first.ndim == 2 else first) == [0, 2], "a setosa and a virginica"
+
+    predicted = rt.mesh.predictModelSize(mm.PredictModelSizeRequest(
+        modelId="p", modelPath=path, modelKey=json.dumps({"model_type": {"name": fmt}})), timeout=5).sizeInBytes
+    serving_size = rt.mesh.modelSize(mm.ModelSizeRequest(modelId=model_id), timeout=5).sizeInBytes
+    assert predicted >= serving_size, f"size_floor {predicted / MiB:.1f} MiB < {serving_size / MiB:.1f} MiB serving"
+
+    worker = rt.worker_for(model_id)
+    rt.unload(model_id)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    after = memory(rt)
+    assert abs(after - before) <= 2 * MiB, f"before {before / MiB:.2f} MiB, after {after / MiB:.2f} MiB"
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_format_detected_from_files(rt, examples, fmt):
+    path = example_path(examples, fmt)
+    rt.load(f"detect-{fmt}", path, fmt=None)
+    try:
+        expected_platform = {"onnx": "onnxruntime_onnx", "pytorch": "pytorch_libtorch"}.get(fmt, fmt)
+        assert metadata(rt, f"detect-{fmt}").platform == expected_platform
+    finally:
+        rt.unload(f"detect-{fmt}")
+
+
+# -- what each format promises beyond the common path ----------------------------------------
+
+@pytest.fixture
+def loaded(rt, examples):
+    """Loads the example of a format (by file, not folder) for one test: loaded(fmt) -> model id."""
+    ids = []
+
+    def load(fmt):
+        folder = example_path(examples, fmt)
+        model_file = common.model_file(folder, fmt)
+        model_id = f"one-{fmt}"
+        rt.load(model_id, model_file, fmt=fmt)
+        ids.append(model_id)
+        return model_id
+
+    yield load
+    for model_id in ids:
+        rt.unload(model_id)
+
+
+def test_sklearn_predict_proba_only_when_asked(rt, loaded):
+    model_id = loaded("sklearn")
+    assert list(outputs_of(infer(rt, model_id, make_examples.SAMPLE))) == ["predict"]
+    only_proba = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["predict_proba"]))
+    assert list(only_proba) == ["predict_proba"] and only_proba["predict_proba"].shape == (2, 3)
+    error = rpc_error(infer, rt, model_id, make_examples.SAMPLE, outputs=["decision_function"])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "decision_function" in error.details()
+
+
+def test_sklearn_metadata(rt, loaded):
+    answer = metadata(rt, loaded("sklearn"))
+    assert answer.platform == "sklearn"
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.inputs] == [("input-0", "FP64", [-1, 4])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.outputs] == [
+        ("predict", "INT64", [-1]), ("predict_proba", "FP64", [-1, 3])]
+
+
+@pytest.mark.parametrize("fmt", ["sklearn", "xgboost", "lightgbm"])
+def test_tabular_input_of_the_wrong_shape_is_invalid_argument(rt, loaded, fmt):
+    model_id = loaded(fmt)
+    one_row = rpc_error(infer, rt, model_id, make_examples.SAMPLE[0])
+    assert one_row.code() == grpc.StatusCode.INVALID_ARGUMENT and "2-D" in one_row.details()
+    five = rpc_error(infer, rt, model_id, np.ones((1, 5), dtype=np.float32))
+    assert five.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes 4" in five.details()
+
+
+@pytest.mark.parametrize("fmt", ["xgboost", "lightgbm"])
+def test_tree_metadata(rt, loaded, fmt):
+    answer = metadata(rt, loaded(fmt))
+    assert answer.platform == fmt
+    assert [(t.name, list(t.shape)) for t in answer.inputs] == [("input-0", [-1, 4])]
+    assert [(t.name, list(t.shape)) for t in answer.outputs] == [("predict", [-1, 3])]
+
+
+def test_onnx_uses_the_graph_names_and_types(rt, loaded):
+    model_id = loaded("onnx")
+    answer = metadata(rt, model_id)
+    assert answer.platform == "onnxruntime_onnx"
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.inputs] == [("features", "FP32", [-1, 4])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in answer.outputs] == [
+        ("label", "INT64", [-1]), ("probabilities", "FP32", [-1, 3])]
+    only_label = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["label"]))
+    assert list(only_label) == ["label"] and list(only_label["label"]) == [0, 2]
+    wrong_name = rpc_error(infer, rt, model_id, make_examples.SAMPLE, name="x")
+    assert wrong_name.code() == grpc.StatusCode.INVALID_ARGUMENT and "'features'" in wrong_name.details()
+    wrong_type = rpc_error(infer, rt, model_id, make_examples.SAMPLE.astype(np.float64), datatype="FP64")
+    assert wrong_type.code() == grpc.StatusCode.INVALID_ARGUMENT and "FP32" in wrong_type.details()
+    wrong_shape = rpc_error(infer, rt, model_id, np.ones((2, 5), dtype=np.float32))
+    assert wrong_shape.code() == grpc.StatusCode.INVALID_ARGUMENT and "[-1, 4]" in wrong_shape.details()
+
+
+def test_pytorch_names_its_output_like_triton(rt, loaded):
+    model_id = loaded("pytorch")
+    assert list(outputs_of(infer(rt, model_id, make_examples.SAMPLE, name="anything"))) == ["output__0"]
+    answer = metadata(rt, model_id)
+    assert answer.platform == "pytorch_libtorch"
+    assert [t.name for t in answer.inputs] == ["features"] and [t.name for t in answer.outputs] == ["output__0"]
+
+
+def test_onnx_threads_come_from_worker_threads(monkeypatch):
+    from workers.formats import onnx
+    monkeypatch.delenv("WORKER_THREADS", raising=False)
+    assert onnx.threads() == 1
+    monkeypatch.setenv("WORKER_THREADS", "3")
+    assert onnx.threads() == 3
+
+
+# -- adapters called in this process, for what the examples do not cover -----------------------
+
+def test_sklearn_reads_plain_pickles_and_text_pipelines(tmp_path):
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    import pickle
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    from workers.formats import sklearn as adapter
+    texts = ["great product", "terrible service", "great service", "terrible product"]
+    pipeline = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, [1, 0, 1, 0])
+    with open(tmp_path / "model.pkl", "wb") as f:
+        pickle.dump(pipeline, f)
+    model = adapter.load(str(tmp_path))
+    words = np.empty(2, dtype=object)
+    words[:] = [b"great", "terrible"]  # BYTES arrive as bytes; str works too
+    assert list(model.predict({"text": words}, {}, [])["predict"]) == [1, 0]
+    assert model.metadata()["inputs"][0]["datatype"] == ""  # a text pipeline's input is not known
+
+
+def test_xgboost_reads_ubjson(tmp_path):
+    xgboost = pytest.importorskip("xgboost", reason="pip install 'mesh-runtime[xgboost]'")
+    from workers.formats import xgboost as adapter
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    booster = xgboost.train({"nthread": 1}, xgboost.DMatrix(rows, label=rows[:, 0] * 2), num_boost_round=3)
+    booster.save_model(str(tmp_path / "model.ubj"))
+    model = adapter.load(str(tmp_path))
+    np.testing.assert_allclose(model.predict({"x": rows}, {}, [])["predict"], booster.predict(xgboost.DMatrix(rows)))
+    assert model.metadata()["outputs"][0]["shape"] == [-1]
+
+
+# -- the model file inside modelPath (no runtime needed) ----------------------------------------
+
+def touch(folder, *names):
+    os.makedirs(folder, exist_ok=True)
+    for name in names:
+        open(os.path.join(folder, name), "w").close()
+    return str(folder)
+
+
+def test_model_file_is_the_one_file_of_the_format(tmp_path):
+    folder = touch(tmp_path / "a", "booster.json", "README.md")
+    assert common.model_file(folder, "xgboost") == os.path.join(folder, "booster.json")
+    assert common.model_file(os.path.join(folder, "booster.json"), "xgboost").endswith("booster.json")
+
+
+def test_model_file_prefers_model_dot_ending_beside_sidecars(tmp_path):
+    folder = touch(tmp_path / "b", "model.json", "model-settings.json")  # MLServer's layout
+    assert common.model_file(folder, "xgboost") == os.path.join(folder, "model.json")
+
+
+def test_model_file_refuses_ambiguity_and_absence(tmp_path):
+    with pytest.raises(ValueError, match="2 such files"):
+        common.model_file(touch(tmp_path / "c", "a.onnx", "b.onnx"), "onnx")
+    with pytest.raises(ValueError, match="no such file"):
+        common.model_file(touch(tmp_path / "d", "weights.bin"), "pytorch")
+
+
+def test_datatype_names():
+    assert common.datatype_of(np.float32) == "FP32"
+    assert common.datatype_of(np.dtype(">f8")) == "FP64"
+    assert common.datatype_of(np.int64) == "INT64"
+    assert common.datatype_of(np.bool_) == "BOOL"
+    assert common.datatype_of(np.dtype(object)) == "BYTES"
+    assert common.datatype_of(np.complex64) == ""
+
+
+def test_every_framework_format_names_an_extra_and_a_floor():
+    for fmt in formats.FORMATS:
+        if fmt.framework:
+            assert fmt.extra and fmt.size_floor >= 8 * MiB, fmt
+            assert formats.by_name(fmt.name.upper()) is fmt
+
+
+# -- a framework that is not installed ----------------------------------------------------------
+
+def test_resolve_names_the_extra_of_a_missing_framework(tmp_path):
+    fake = formats.Format("fakeformat", "workers.formats.fakeformat", framework="no_such_framework_xyz",
+                          extra="fakeformat", suffixes=(".fake",))
+    models = touch(tmp_path / "models" / "m", "model.fake")
+    settings = Settings.from_env({"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")})
+    for key in (json.dumps({"model_type": {"name": "fakeformat"}}), ""):  # named, and detected from the files
+        with pytest.raises(status.RpcError) as error:
+            modelspec.resolve("m", "", models, key, settings, known_formats=(*formats.FORMATS, fake))
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "pip install 'mesh-runtime[fakeformat]'" in error.value.message
+
+
+HIDING_SITECUSTOMIZE = """
+    # Test shim: makes the modules named in MESH_TEST_HIDDEN look uninstalled
+    # (importlib.util.find_spec answers None, import raises ModuleNotFoundError).
+    import os, sys
+    for name in filter(None, os.environ.get("MESH_TEST_HIDDEN", "").split(",")):
+        sys.modules[name] = None
+"""
+FRAMEWORKS = {fmt.name: fmt for fmt in formats.FORMATS if fmt.framework}
+
+
+def test_missing_framework_is_failed_precondition_naming_the_extra(tmp_path):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(textwrap.dedent(HIDING_SITECUSTOMIZE))
+    hidden = ",".join(fmt.framework for fmt in FRAMEWORKS.values())
+    with Runtime(PYTHONPATH=str(shim), MESH_TEST_HIDDEN=hidden) as runtime:
+        for fmt in FRAMEWORKS.values():
+            folder = touch(os.path.join(runtime.models, fmt.name), f"model{fmt.suffixes[0]}")
+            for named in (fmt.name, None):
+                error = rpc_error(runtime.load, f"m-{fmt.name}", folder, fmt=named)
+                assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+                assert f"pip install 'mesh-runtime[{fmt.extra}]'" in error.details()
+                assert runtime.model_workers() == 0, "refused before any worker was touched"
+                runtime.unload(f"m-{fmt.name}")

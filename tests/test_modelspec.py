@@ -1,0 +1,62 @@
+"""Load-request checks in the front, without a runtime: format table, missing frameworks, sizes."""
+import dataclasses
+import json
+
+import pytest
+
+from runtime import modelspec, status
+from runtime.settings import Settings
+from workers import formats
+
+
+@pytest.fixture
+def settings(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "pvc").mkdir()
+    return Settings.from_env({"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")})
+
+
+def model_folder(settings, name, files):
+    folder = f"{settings.root_model_dir}/{name}"
+    import os
+    os.makedirs(folder)
+    for file_name, size in files.items():
+        with open(f"{folder}/{file_name}", "wb") as f:
+            f.write(b"\0" * size)
+    return folder
+
+
+def test_missing_framework_is_failed_precondition_naming_the_extra(settings):
+    absent = formats.Format("fancy", "workers.formats.fancy", framework="no_such_framework_xyz",
+                            extra="fancy", suffixes=(".fancy",))
+    folder = model_folder(settings, "m", {"model.fancy": 10})
+    with pytest.raises(status.RpcError) as error:
+        modelspec.resolve("m", "", folder, json.dumps({"model_type": {"name": "fancy"}}), settings,
+                          known_formats=(*formats.FORMATS, absent))
+    assert error.value.code.name == "FAILED_PRECONDITION"
+    assert "pip install 'mesh-runtime[fancy]'" in error.value.message
+
+
+def test_predicted_size_is_disk_times_multiplier_per_replica(settings):
+    folder = model_folder(settings, "big", {"model.py": 40 * 2**20})
+    spec = modelspec.resolve("big", "mt:python", folder, "", settings)
+    assert modelspec.predicted_size(spec, settings) == int(40 * 2**20 * 1.25)
+    two = dataclasses.replace(settings, model_replicas=2)
+    assert modelspec.predicted_size(spec, two) == 2 * int(40 * 2**20 * 1.25)
+
+
+def test_predicted_size_never_below_the_floor(settings):
+    folder = model_folder(settings, "tiny", {"model.py": 10})
+    spec = modelspec.resolve("tiny", "", folder, "", settings)
+    assert modelspec.predicted_size(spec, settings) == spec.format.size_floor > 0
+
+
+@pytest.mark.parametrize("model_type, key, expected", [
+    ("", '{"model_type": {"name": "sklearn", "version": "1"}}', "sklearn"),
+    ("", '{"model_type": "xgboost"}', "xgboost"),
+    ("mt:lightgbm:3|pv:grpc-v2", "", "lightgbm"),
+    ("rt:mesh-runtime", "", None),
+    ("mt:onnx", '{"model_type": {"name": "pytorch"}}', "pytorch"),  # the key wins over modelType
+])
+def test_format_name_sources(model_type, key, expected):
+    assert modelspec.format_name_from(modelspec.parse_key(key), model_type) == expected

@@ -1,0 +1,44 @@
+"""LightGBM models: a Booster saved as text (.txt, Booster.save_model).
+
+modelPath is the file or the folder holding it. The first input tensor is a
+batch of feature rows; the output `predict` is what Booster.predict gives
+(scores, or one probability per class for multiclass objectives).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workers.formats import common
+
+PREDICT = "predict"
+INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
+
+
+def load(path: str) -> "LightGBMModel":
+    import lightgbm
+
+    return LightGBMModel(lightgbm.Booster(model_file=common.model_file(path, "lightgbm")))
+
+
+class LightGBMModel:
+    handles_methods = False
+
+    def __init__(self, booster):
+        self.booster = booster
+        self.n_features = booster.num_feature()
+        # One row of zeros tells the output's type and shape, which the
+        # objective decides; it also warms the predictor up before the first call.
+        self.sample = booster.predict(np.zeros((1, self.n_features)))
+
+    def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
+        rows = common.feature_rows(common.first_input(inputs), self.n_features)
+        return {PREDICT: self.booster.predict(rows)}
+
+    def metadata(self) -> dict:
+        return {"platform": "lightgbm",
+                "inputs": [common.tensor(INPUT_NAME, "FP64", [-1, self.n_features])],
+                "outputs": [common.tensor(PREDICT, common.datatype_of(self.sample.dtype),
+                                          [-1, *self.sample.shape[1:]])]}
+
+    def close(self) -> None:
+        pass

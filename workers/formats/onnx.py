@@ -1,0 +1,111 @@
+"""ONNX models, run by onnxruntime on the CPU.
+
+modelPath is the .onnx file or the folder holding it. Inputs and outputs keep
+the graph's own names, types and shapes, and metadata() reports them. The
+session runs WORKER_THREADS threads per operator (1 when unset): the front
+sends a worker that many requests at once, and a pod runs many workers, so
+more threads would only fight over the same cores.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from workers import v2
+from workers.formats import common
+
+# onnx tensor type -> (V2 datatype, numpy dtype of the array onnxruntime takes)
+TYPES: dict[str, tuple[str, np.dtype]] = {
+    "tensor(bool)": ("BOOL", np.dtype(np.bool_)),
+    "tensor(uint8)": ("UINT8", np.dtype(np.uint8)),
+    "tensor(uint16)": ("UINT16", np.dtype(np.uint16)),
+    "tensor(uint32)": ("UINT32", np.dtype(np.uint32)),
+    "tensor(uint64)": ("UINT64", np.dtype(np.uint64)),
+    "tensor(int8)": ("INT8", np.dtype(np.int8)),
+    "tensor(int16)": ("INT16", np.dtype(np.int16)),
+    "tensor(int32)": ("INT32", np.dtype(np.int32)),
+    "tensor(int64)": ("INT64", np.dtype(np.int64)),
+    "tensor(float16)": ("FP16", np.dtype(np.float16)),
+    "tensor(float)": ("FP32", np.dtype(np.float32)),
+    "tensor(double)": ("FP64", np.dtype(np.float64)),
+    "tensor(string)": ("BYTES", np.dtype(object)),
+}
+
+
+def threads() -> int:
+    """WORKER_THREADS from the environment the worker inherited from the front, else 1."""
+    try:
+        return max(1, int(os.environ.get("WORKER_THREADS", "1")))
+    except ValueError:
+        return 1  # the front refuses to start on a bad value; be lenient here
+
+
+def load(path: str) -> "OnnxModel":
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads()
+    options.inter_op_num_threads = 1
+    # Idle pool threads would otherwise spin on the cores other workers need.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(common.model_file(path, "onnx"), options,
+                                           providers=["CPUExecutionProvider"])
+    return OnnxModel(session)
+
+
+class OnnxModel:
+    handles_methods = False
+
+    def __init__(self, session):
+        self.session = session
+        self.inputs = session.get_inputs()
+        self.output_names = [o.name for o in session.get_outputs()]
+
+    def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
+        feed = {graph_input.name: _fed(graph_input, inputs) for graph_input in self.inputs}
+        # Run only what was asked for; a name the graph lacks is left out here
+        # and reported by v2.encode_response as INVALID_ARGUMENT.
+        wanted = [name for name in requested_outputs if name in self.output_names] or self.output_names
+        return dict(zip(wanted, self.session.run(wanted, feed)))
+
+    def metadata(self) -> dict:
+        return {"platform": "onnxruntime_onnx",
+                "inputs": [_described(node) for node in self.inputs],
+                "outputs": [_described(node) for node in self.session.get_outputs()]}
+
+    def close(self) -> None:
+        pass
+
+
+def _fed(graph_input, inputs: dict) -> np.ndarray:
+    """The request's tensor for one graph input, checked against the graph's type."""
+    array = inputs.get(graph_input.name)
+    datatype, dtype = TYPES.get(graph_input.type, ("", None))
+    if array is None:
+        raise v2.InvalidInput(f"the model needs input {graph_input.name!r} ({datatype or graph_input.type}); "
+                              f"the request has {', '.join(map(repr, inputs)) or 'no input'}")
+    if dtype is None:  # a type V2 has no name for: onnxruntime judges
+        return array
+    if array.dtype != dtype:
+        raise v2.InvalidInput(f"input {graph_input.name!r} is {common.datatype_of(array.dtype)}; "
+                              f"the model takes {datatype}")
+    if not _fits(array.shape, graph_input.shape):
+        raise v2.InvalidInput(f"input {graph_input.name!r} has shape {list(array.shape)}; "
+                              f"the model takes {_described(graph_input)['shape']}")
+    return common.as_text(array) if dtype == object else array
+
+
+def _fits(shape: tuple[int, ...], graph_shape) -> bool:
+    """Same rank, and equal wherever the graph fixes a dimension (unknown shapes fit anything)."""
+    if graph_shape is None:
+        return True
+    return len(shape) == len(graph_shape) and all(
+        not isinstance(fixed, int) or fixed == size for fixed, size in zip(graph_shape, shape))
+
+
+def _described(node) -> dict:
+    datatype = TYPES.get(node.type, ("", None))[0]
+    # Symbolic or unknown dimensions (None, "batch") vary: -1.
+    shape = [dim if isinstance(dim, int) else -1 for dim in (node.shape or [])]
+    return common.tensor(node.name, datatype, shape)

@@ -1,0 +1,72 @@
+"""PyTorch models saved as TorchScript (torch.jit.save, a .pt file), run on the CPU.
+
+modelPath is the .pt file or the folder holding it. The first input tensor
+is passed to forward(); what forward() returns is named the way Triton names
+it: a tensor is `output__0`, a tuple or list gives `output__0`, `output__1`...,
+and a dict keeps its keys.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from workers import v2
+from workers.formats import common
+
+INPUT_NAME = "input__0"
+
+
+def load(path: str) -> "TorchScriptModel":
+    import torch
+
+    module = torch.jit.load(common.model_file(path, "pytorch"), map_location="cpu")
+    module.eval()
+    return TorchScriptModel(torch, module)
+
+
+class TorchScriptModel:
+    handles_methods = False
+
+    def __init__(self, torch, module):
+        self.torch = torch
+        self.module = module
+
+    def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
+        array = common.first_input(inputs)
+        if array.dtype.kind not in "biuf":
+            raise v2.InvalidInput(f"input is {common.datatype_of(array.dtype)}; TorchScript models take numbers")
+        # A copy: received tensors are read-only views of the request, and a
+        # module may write into its input.
+        tensor = self.torch.from_numpy(np.array(array))
+        with self.torch.inference_mode():
+            result = self.module(tensor)
+        return _named(result)
+
+    def metadata(self) -> dict:
+        # TorchScript keeps argument names but neither datatypes nor shapes: those stay unknown.
+        inputs = [common.tensor(name, "", []) for name in self._argument_names()]
+        return {"platform": "pytorch_libtorch", "inputs": inputs,
+                "outputs": [common.tensor("output__0", "", [])]}
+
+    def _argument_names(self) -> list[str]:
+        try:
+            arguments = self.module.forward.schema.arguments[1:]  # [0] is self
+            return [argument.name for argument in arguments][:1] or [INPUT_NAME]
+        except (AttributeError, RuntimeError):
+            return [INPUT_NAME]
+
+    def close(self) -> None:
+        pass
+
+
+def _named(result) -> dict:
+    if isinstance(result, dict):
+        return {str(name): _array(value) for name, value in result.items()}
+    if isinstance(result, (tuple, list)):
+        return {f"output__{index}": _array(value) for index, value in enumerate(result)}
+    return {"output__0": _array(result)}
+
+
+def _array(value) -> np.ndarray:
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
