@@ -34,42 +34,45 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _skip(data, pos: int, wire_type: int, field: int) -> int:
-    """Position after the value of a field whose key ended at pos."""
-    if wire_type == _VARINT:
-        return _varint(data, pos)[1]
-    if wire_type == _FIXED64:
-        return pos + 8
-    if wire_type == _FIXED32:
-        return pos + 4
-    if wire_type == _LENGTH_DELIMITED:
-        length, pos = _varint(data, pos)
-        return pos + length
-    raise WireError(f"unsupported wire type {wire_type} (field {field})")
+def _fields(data):
+    """Yields (field number, wire type, start of the field, start of its value, end of its value).
+
+    For a length-delimited field the value is its bytes, without the length;
+    for the others only the end matters. Raises WireError on bytes that are
+    not a message.
+    """
+    pos, end = 0, len(data)
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(data, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            value_end = _varint(data, pos)[1]
+        elif wire_type == _FIXED64:
+            value_end = pos + 8
+        elif wire_type == _FIXED32:
+            value_end = pos + 4
+        elif wire_type == _LENGTH_DELIMITED:
+            length, pos = _varint(data, pos)
+            value_end = pos + length
+        else:
+            raise WireError(f"unsupported wire type {wire_type} (field {field})")
+        if value_end > end:
+            raise WireError(f"field {field} runs past the end of the message")
+        yield field, wire_type, field_start, pos, value_end
+        pos = value_end
 
 
 def split_bytes_field(data, number: int) -> tuple[bytes, list[memoryview]]:
     """Takes every top-level field `number` out of `data`: (the rest, the values as views)."""
     view = memoryview(data)
-    end = len(view)
-    kept, values = [], []
-    pos = run_start = 0
-    while pos < end:
-        field_start = pos
-        key, pos = _varint(view, pos)
-        field, wire_type = key >> 3, key & 7
+    kept, values, run_start = [], [], 0
+    for field, wire_type, field_start, value_start, value_end in _fields(view):
         if field == number and wire_type == _LENGTH_DELIMITED:
-            length, pos = _varint(view, pos)
-            if pos + length > end:
-                raise WireError(f"field {field} runs past the end of the message")
             kept.append(view[run_start:field_start])
-            values.append(view[pos:pos + length])
-            pos = run_start = pos + length
-            continue
-        pos = _skip(view, pos, wire_type, field)
-        if pos > end:
-            raise WireError("message is truncated")
-    kept.append(view[run_start:end])
+            values.append(view[value_start:value_end])
+            run_start = value_end
+    kept.append(view[run_start:])
     return b"".join(kept), values
 
 
@@ -89,19 +92,10 @@ def _encode_varint(value: int) -> bytes:
 
 def string_field(data, number: int) -> str | None:
     """The first top-level string field `number` in `data`, or None when it is absent."""
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos)
-        field, wire_type = key >> 3, key & 7
+    for field, wire_type, _, value_start, value_end in _fields(data):
         if field == number and wire_type == _LENGTH_DELIMITED:
-            length, pos = _varint(data, pos)
-            if pos + length > end:
-                raise WireError(f"field {field} runs past the end of the message")
             try:
-                return bytes(data[pos:pos + length]).decode()
+                return bytes(data[value_start:value_end]).decode()
             except UnicodeDecodeError:
                 raise WireError(f"field {field} is not UTF-8") from None
-        pos = _skip(data, pos, wire_type, field)
-        if pos > end:
-            raise WireError(f"field {field} runs past the end of the message")
     return None

@@ -13,6 +13,8 @@ worker hands it to the model's handle(method, request_bytes).
 """
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from protos import grpc_predict_v2_pb2 as pb
@@ -49,6 +51,7 @@ def model_id_of(metadata, request: bytes) -> str:
 class InferenceService(grpc.GenericRpcHandler):
     def __init__(self, supervisor: Supervisor, allow_any_method: bool):
         self.supervisor = supervisor
+        self.metrics = supervisor.metrics
         self.allow_any_method = allow_any_method
         forwarded = {name: self._forwarder(name) for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)}
         local = {
@@ -73,13 +76,22 @@ class InferenceService(grpc.GenericRpcHandler):
         return handler
 
     def _forwarder(self, method: str):
+        # Metric labels: our own method names, "other" for custom ones (clients choose those).
+        label = method.rsplit("/", 1)[-1] if method.startswith(SERVICE) else "other"
+
         async def forward(request: bytes, context) -> bytes:
+            started = time.perf_counter()
+            model_id, code = "", "OK"
             try:
                 model_id = model_id_of(context.invocation_metadata(), request)
                 modelspec.check_model_id(model_id)  # a 1 MiB id is refused, not looked up
                 return await self.supervisor.call(model_id, method, request, context.time_remaining())
             except status.RpcError as error:
+                code = error.code.name
                 await status.abort(context, error)
+            finally:
+                if self.supervisor.is_known(model_id):
+                    self.metrics.observe_call(model_id, label, code, time.perf_counter() - started)
         return forward
 
     async def server_live(self, request, context):

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from protos import model_runtime_pb2 as pb
 from protos import model_runtime_pb2_grpc as pb_grpc
-from runtime import __version__, memory, modelspec, status
+from runtime import __version__, modelspec, status
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
 
@@ -69,7 +68,7 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
         if not self.supervisor.ready:
             return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.STARTING)
         await self.supervisor.purge()
-        capacity = await asyncio.to_thread(self.capacity)
+        capacity = await asyncio.to_thread(self.supervisor.capacity)
         if capacity < minimum_capacity(self.settings.default_modelsize):
             log.error("capacity %d bytes is below what model-mesh accepts (%d); answering FAILING",
                       capacity, minimum_capacity(self.settings.default_modelsize))
@@ -86,9 +85,3 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
             limitModelConcurrency=self.settings.limit_model_concurrency,
             allowAnyMethod=self.settings.allow_any_method,
         )
-
-    def capacity(self) -> int:
-        """Container memory minus the buffer minus what the front, fork server and spares use."""
-        overhead = memory.tree_uss(os.getpid())
-        total = memory.container_memory(self.settings.container_mem_req_bytes)
-        return max(0, total - self.settings.mem_buffer_bytes - overhead)

@@ -18,21 +18,29 @@ _PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
-def uss(pid: int) -> int:
-    """Unique memory of process `pid` in bytes; raises psutil.NoSuchProcess if it is gone."""
+def _rollup(pid: int, fields: tuple[bytes, ...]) -> int | None:
+    """The sum of `fields` in /proc/PID/smaps_rollup, in bytes; None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-            total_kib = 0
-            for line in rollup:
-                if line.startswith(_PRIVATE_FIELDS):
-                    total_kib += int(line.split()[1])
-            return total_kib * 1024
+            return 1024 * sum(int(line.split()[1]) for line in rollup if line.startswith(fields))
     except FileNotFoundError:
         if not psutil.pid_exists(pid):
             raise psutil.NoSuchProcess(pid) from None
     except PermissionError:
         pass
-    return psutil.Process(pid).memory_full_info().uss
+    return None
+
+
+def uss(pid: int) -> int:
+    """Unique memory of process `pid` in bytes; raises psutil.NoSuchProcess if it is gone."""
+    value = _rollup(pid, _PRIVATE_FIELDS)
+    return value if value is not None else psutil.Process(pid).memory_full_info().uss
+
+
+def pss(pid: int) -> int:
+    """Proportional memory of process `pid`: its unique pages plus its share of shared ones."""
+    value = _rollup(pid, (b"Pss:",))
+    return value if value is not None else psutil.Process(pid).memory_full_info().pss
 
 
 def cgroup_limit() -> int | None:
@@ -60,13 +68,18 @@ def container_memory(configured: int | None) -> int:
     return cgroup_limit() or psutil.virtual_memory().total
 
 
-def tree_uss(root_pid: int | None = None) -> int:
-    """USS summed over a process and all its descendants (default: this process)."""
+def tree_pss(root_pid: int | None = None) -> int:
+    """PSS summed over a process and all its descendants (default: this process).
+
+    PSS, not USS: the fork server's preloaded frameworks are shared with every
+    worker, so no process owns them uniquely, yet they occupy memory; summed
+    PSS counts each such page exactly once.
+    """
     root = psutil.Process(root_pid or os.getpid())
     total = 0
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += uss(process.pid)
+            total += pss(process.pid)
         except psutil.Error:
             pass  # it ended while we counted
     return total

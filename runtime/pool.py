@@ -36,7 +36,7 @@ from runtime import status
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
-from workers import protocol
+from workers import lifeline, protocol
 
 log = logging.getLogger("mesh.pool")
 
@@ -60,7 +60,8 @@ class Worker:
         self.started = time.monotonic()
         self.in_flight = 0  # calls sent and not answered yet
         self.loading = False  # a load keeps the worker's main thread from answering pings
-        self.kill_reason = ""  # why the front killed it, when it did
+        self.kill_cause = ""  # why the front killed it, when it did: a short word for metrics
+        self.kill_reason = ""  # ... and the sentence for logs and status messages
         self.served = 0
         self.errors = 0
         self.last_error = ""
@@ -84,10 +85,10 @@ class Worker:
             except ProcessLookupError:
                 pass  # already dead; the sentinel will tell
 
-    def kill(self, reason: str) -> None:
-        """SIGKILL, remembering why: the exit handling and the status codes read it."""
+    def kill(self, cause: str, reason: str) -> None:
+        """SIGKILL, remembering why: the exit handling, status codes and metrics read it."""
         if self.alive and not self.kill_reason:
-            self.kill_reason = reason
+            self.kill_cause, self.kill_reason = cause, reason
             log.warning("killing %r: %s", self, reason,
                         extra={"model_id": self.model_id} if self.model_id else None)
         self.signal(signal.SIGKILL)
@@ -100,6 +101,7 @@ class WorkerPool:
     def __init__(self, settings: Settings, on_worker_exit):
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
+        os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
         self.channel = Channel(f"ipc://{settings.runtime_dir}/workers.sock", self._on_event)
         self.ready = False
         self._on_worker_exit = on_worker_exit
@@ -112,6 +114,7 @@ class WorkerPool:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._refill_task: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
         self._closing = False
 
     # -- start and stop -------------------------------------------------------
@@ -123,7 +126,7 @@ class WorkerPool:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
         self._start_forkserver()
         self.channel.start()
-        self._background(self._heartbeat_forever(), "heartbeat")
+        self._heartbeat = self._background(self._heartbeat_forever(), "heartbeat")
         await self._refill()
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self._spares))
@@ -140,9 +143,12 @@ class WorkerPool:
     async def close(self) -> None:
         """Kills every worker, waits until each is reaped, stops the fork server."""
         self._closing = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        # A spawn under way is let finish, not cancelled: cancelling it could
+        # lose a process the fork server is forking at that very moment.
+        if self._refill_task is not None:
+            await asyncio.gather(self._refill_task, return_exceptions=True)
         workers = list(self._workers.values())
         for worker in workers:
             worker.signal(signal.SIGKILL)
@@ -221,6 +227,7 @@ class WorkerPool:
             "identity": identity,
             "heartbeat_timeout": WORKER_SILENCE_LIMIT,
             "threads": self.settings.worker_threads,
+            "runtime_dir": self.settings.runtime_dir,
             "log_level": self.settings.log_level,
             "log_format": self.settings.log_format,
         }
@@ -302,6 +309,10 @@ class WorkerPool:
         if code is not None:
             process.close()
         self.registry.remove(worker.pid)
+        try:
+            os.unlink(lifeline.stacks_path(self.settings.runtime_dir, worker.pid))
+        except FileNotFoundError:
+            pass
         return code
 
     async def _heartbeat_forever(self) -> None:
@@ -318,7 +329,7 @@ class WorkerPool:
                 # LOADTIME_TIMEOUT and WORKER_REQUEST_TIMEOUT_MS watch those.
                 busy = worker.loading or worker.in_flight > 0
                 if not busy and now - worker.last_seen > silence_limit:
-                    worker.kill(f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
+                    worker.kill("hung", f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
                     continue
                 try:
                     await self.channel.send(worker.identity, ping)

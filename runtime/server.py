@@ -18,8 +18,10 @@ from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
 from runtime import __version__, rundir
+from runtime.admin import AdminServer
 from runtime.dataplane import InferenceService
 from runtime.management import ModelRuntimeServicer
+from runtime.metrics import Metrics
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
 from workers import lifeline, logsetup
@@ -64,7 +66,7 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
 
 
 async def serve(settings: Settings) -> int:
-    supervisor = Supervisor(settings)
+    supervisor = Supervisor(settings, Metrics())
     health_servicer = health.aio.HealthServicer()
     server = build_server(settings, supervisor, health_servicer)
     try:
@@ -74,6 +76,12 @@ async def serve(settings: Settings) -> int:
     except RuntimeError as error:
         log.error("cannot listen on port %d: %s", settings.runtime_port, error)
         return 2
+    if settings.metrics_port:
+        try:
+            supervisor.metrics.serve(settings.metrics_port, supervisor)
+        except OSError as error:
+            log.error("cannot serve metrics on METRICS_PORT=%d: %s", settings.metrics_port, error)
+            return 2
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info("mesh-runtime %s listening on port %d%s", __version__, settings.runtime_port,
@@ -85,8 +93,10 @@ async def serve(settings: Settings) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     exit_code = 0
+    admin = AdminServer(supervisor, settings)
     try:
         await supervisor.start()
+        admin.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         await stop.wait()
         log.info("stopping: no new calls, %.1f s for those under way", settings.shutdown_grace_ms / 1000)
@@ -95,6 +105,7 @@ async def serve(settings: Settings) -> int:
         exit_code = 1
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.shutdown_grace_ms / 1000)
+    await admin.close()
     await supervisor.close()
     rundir.remove(settings.runtime_dir)
     log.info("stopped; every worker reaped")

@@ -28,6 +28,7 @@ import time
 
 from protos import wire
 from runtime import memory, status
+from runtime.metrics import Metrics
 from runtime.channel import PeerGone
 from runtime.modelspec import ModelSpec
 from runtime.pool import Worker, WorkerPool
@@ -44,6 +45,7 @@ HEAL_BACKOFF_SECONDS = 0.1
 HEAL_BACKOFF_CAP_SECONDS = 5.0
 MEMORY_LIMIT_REASON = "over WORKER_MEMORY_LIMIT_BYTES"
 REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
+LOAD_OUTCOMES = {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}
 
 
 class State(enum.Enum):
@@ -69,9 +71,11 @@ class Model:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, metrics: Metrics):
         self.settings = settings
+        self.metrics = metrics
         self.pool = WorkerPool(settings, self._on_worker_exit)
+        self.capacity_bytes = 0  # as last reported to model-mesh
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
         self._watchdog: asyncio.Task | None = None
@@ -85,6 +89,7 @@ class Supervisor:
 
     async def start(self) -> None:
         await self.pool.start()
+        await asyncio.to_thread(self.capacity)
         if self.settings.worker_memory_limit_bytes:
             self._watchdog = asyncio.create_task(self._watch_memory(), name="memory-watchdog")
 
@@ -95,6 +100,17 @@ class Supervisor:
             model.unload_requested = True
             self._discard(model)
         await self.pool.close()
+
+    def capacity(self) -> int:
+        """Container memory minus the buffer minus what the front, fork server and spares use.
+
+        Blocking (reads /proc): run it in a thread.
+        """
+        models = sum(m.size for m in self.models())
+        overhead = max(0, memory.tree_pss() - models)
+        total = memory.container_memory(self.settings.container_mem_req_bytes)
+        self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
+        return self.capacity_bytes
 
     # -- loading --------------------------------------------------------------------
 
@@ -123,6 +139,11 @@ class Supervisor:
                 self._discard(model)
                 raise
             raise status.load_cancelled(spec.model_id) from None
+        except Exception:
+            # Answer only once nothing of the model is left: its worker is reaped.
+            self._discard(model)
+            await asyncio.shield(model.gone)
+            raise
 
     async def _load(self, model: Model) -> int:
         spec = model.spec
@@ -170,12 +191,18 @@ class Supervisor:
             worker.loading = False
 
     def _after_load(self, model: Model, task: asyncio.Task) -> None:
+        seconds = time.monotonic() - model.load_started
         if task.cancelled():
+            self.metrics.observe_load("cancelled", seconds)
             self._discard(model)
         elif task.exception() is not None:
-            log.warning("load of %s failed: %s", model.model_id, task.exception(),
-                        extra={"model_id": model.model_id})
+            error = task.exception()
+            code = error.code.name if isinstance(error, status.RpcError) else "INTERNAL"
+            self.metrics.observe_load(LOAD_OUTCOMES.get(code, "failed"), seconds)
+            log.warning("load of %s failed: %s", model.model_id, error, extra={"model_id": model.model_id})
             self._discard(model)
+        else:
+            self.metrics.observe_load("ok", seconds)
 
     # -- unloading --------------------------------------------------------------------
 
@@ -232,6 +259,7 @@ class Supervisor:
     def _forget(self, model: Model) -> None:
         if self._models.get(model.model_id) is model:
             del self._models[model.model_id]
+            self.metrics.forget_model(model.model_id)
         if not model.gone.done():
             model.gone.set_result(None)
         log.info("%s unloaded; its memory is back", model.model_id, extra={"model_id": model.model_id})
@@ -246,6 +274,7 @@ class Supervisor:
         model.workers.remove(worker)
         model.replicas.remove(worker)
         cause = worker.kill_reason or status.describe_exit(exit_code)
+        self.metrics.observe_restart(model.model_id, worker.kill_cause or "crash")
         if self._crash_limit_reached(model):
             log.error("dropping %s: its workers died %d times within %d ms (last: %s); "
                       "model-mesh will place it elsewhere", model.model_id, len(model.crashes),
@@ -281,7 +310,7 @@ class Supervisor:
                 log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
             else:
                 # Counted as a crash by _on_worker_exit, which may drop the model.
-                worker.kill(f"reload failed: {reply.get('message')}")
+                worker.kill("reload_failed", f"reload failed: {reply.get('message')}")
                 await asyncio.shield(worker.exited)
 
     async def _watch_memory(self) -> None:
@@ -293,7 +322,7 @@ class Supervisor:
             sizes = await asyncio.to_thread(_sizes, workers)
             for worker, size in zip(workers, sizes):
                 if size > limit:
-                    worker.kill(f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
+                    worker.kill("memory", f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
 
     # -- inference ------------------------------------------------------------------
 
@@ -302,6 +331,9 @@ class Supervisor:
         if model is None or model.state is not State.READY:
             raise status.model_not_found(model_id)
         return model
+
+    def is_known(self, model_id: str) -> bool:
+        return model_id in self._models
 
     def is_ready(self, model_id: str) -> bool:
         model = self._models.get(model_id)
@@ -345,13 +377,13 @@ class Supervisor:
             async with asyncio.timeout(limit_ms / 1000):
                 return await call
         except TimeoutError:
-            worker.kill(f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
+            worker.kill("request_timeout", f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
             raise status.request_too_long(worker.model_id, limit_ms) from None
 
     def _death_status(self, model: Model, worker: Worker, exit_code: int | None) -> status.RpcError:
         if model.unload_requested:  # the documented race: a request just as mesh unloads
             return status.model_not_found(model.model_id)
-        if worker.kill_reason.startswith(MEMORY_LIMIT_REASON):
+        if worker.kill_cause == "memory":
             return status.over_memory_limit(model.model_id, worker.kill_reason)
         return status.worker_died(model.model_id, "call", exit_code)
 

@@ -134,6 +134,7 @@ class Runtime:
             "ROOT_MODEL_DIR": self.models,
             "PVC_MOUNTS_DIR": self.pvc,
             "WORKERS_WARM": "1",
+            "METRICS_PORT": "0",
             "LOG_LEVEL": "info",
             **env,
         }

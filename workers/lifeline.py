@@ -45,3 +45,16 @@ def set_oom_score_adj(value: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def stacks_path(runtime_dir: str, pid: int) -> str:
+    """Where a worker's faulthandler writes its thread stacks on SIGUSR1."""
+    return os.path.join(runtime_dir, "stacks", str(pid))
+
+
+def dump_stacks_on_sigusr1(runtime_dir: str) -> None:
+    """Lets the front read this process's Python stacks without stopping it."""
+    import faulthandler
+    path = stacks_path(runtime_dir, os.getpid())
+    stacks_file = open(path, "a")  # kept open for the life of the process
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)

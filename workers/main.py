@@ -21,6 +21,7 @@ def run(config: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     setproctitle("mesh-runtime worker spare")
     logsetup.setup("worker", config["log_level"], config["log_format"])
+    lifeline.dump_stacks_on_sigusr1(config["runtime_dir"])
     from workers.loop import Worker
     worker = Worker(config)
     signal.signal(signal.SIGTERM, worker.on_sigterm)

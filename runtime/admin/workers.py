@@ -1,0 +1,57 @@
+"""workers: one row per worker process.
+
+Each row: pid, role (spare or model), model id, state (starting, spare,
+loading, ready, killed), uptime in seconds, USS and RSS in bytes, CPU % since
+the last `workers` call, calls in flight, calls served, calls failed, and the
+last error.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+
+from runtime import memory
+
+_processes: dict[int, psutil.Process] = {}  # kept between calls so cpu_percent has a baseline
+
+
+def _state(worker) -> str:
+    if worker.kill_reason:
+        return "killed"
+    if not worker.ready.done():
+        return "starting"
+    if worker.loading:
+        return "loading"
+    return "ready" if worker.model_id else "spare"
+
+
+def _measure(pids: list[int]) -> dict[int, tuple[int, int, float]]:
+    figures = {}
+    for pid in pids:
+        try:
+            process = _processes.setdefault(pid, psutil.Process(pid))
+            figures[pid] = (memory.uss(pid), process.memory_info().rss, process.cpu_percent(None))
+        except psutil.Error:
+            figures[pid] = (0, 0, 0.0)
+    for gone in set(_processes) - set(pids):
+        del _processes[gone]
+    return figures
+
+
+async def run(supervisor, args: list[str]) -> list[dict]:
+    workers = [w for w in supervisor.pool.workers() if w.pid is not None]
+    figures = await asyncio.to_thread(_measure, [w.pid for w in workers])
+    now = time.monotonic()
+    rows = []
+    for worker in sorted(workers, key=lambda w: w.pid):
+        uss, rss, cpu = figures[worker.pid]
+        rows.append({
+            "pid": worker.pid, "role": "model" if worker.model_id else "spare",
+            "model": worker.model_id or "", "state": _state(worker),
+            "uptime_s": round(now - worker.started, 1), "uss_bytes": uss, "rss_bytes": rss,
+            "cpu_percent": cpu, "in_flight": worker.in_flight, "served": worker.served,
+            "errors": worker.errors, "last_error": worker.last_error or worker.kill_reason,
+        })
+    return rows

@@ -1,0 +1,169 @@
+"""Operators' tools against a live runtime: inspect-workers, worker-stacks, kill-worker, metrics, logs."""
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from harness import REPO, Runtime, alive, free_port, mesh_headers, wait_until
+from protos import grpc_predict_v2_pb2 as v2
+
+# predict blocks while the file "hold" exists in its folder.
+HELD = """
+    import os, time
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+            if os.path.exists(os.path.join(path, "slow-reload")) and os.path.exists(os.path.join(path, "loaded-once")):
+                while os.path.exists(os.path.join(path, "slow-reload")):
+                    time.sleep(0.01)
+            open(os.path.join(path, "loaded-once"), "w").close()
+
+        def predict(self, inputs):
+            while os.path.exists(os.path.join(self.path, "hold")):
+                time.sleep(0.01)
+            return {"ok": np.array([1], dtype=np.int32)}
+"""
+
+
+def script(name, *args, env=None):
+    return subprocess.run([os.path.join(REPO, "scripts", name), *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def ops():
+    port = free_port()
+    with Runtime(METRICS_PORT=str(port), MODEL_REPLICAS="2", WORKERS_WARM="2") as runtime:
+        runtime.metrics_port = port
+        yield runtime
+
+
+def rd(runtime):
+    return ["--runtime-dir", runtime.env["RUNTIME_DIR"]]
+
+
+def test_inspect_workers_table_json_and_healthy_exit(ops):
+    ops.load("table-model", ops.model_dir("table-model", HELD))
+    done = script("inspect-workers", *rd(ops))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:4] == ["PID", "ROLE", "MODEL", "STATE"]
+    model_rows = [line for line in lines if " table-model " in line]
+    assert len(model_rows) == 2 and all(" ready " in line for line in model_rows)
+    assert any(" spare " in line for line in lines[1:])
+    parsed = json.loads(script("inspect-workers", "--json", *rd(ops)).stdout)
+    pids = {row["pid"] for row in parsed["workers"] if row["model"] == "table-model"}
+    assert pids == {p.pid for p in ops.workers() if "model=table-model" in " ".join(p.cmdline())}
+    assert {"uss_bytes", "rss_bytes", "cpu_percent", "in_flight", "served", "errors"} <= set(parsed["workers"][0])
+    ops.unload("table-model")
+
+
+def test_inspect_workers_degraded_exit_1_while_a_model_heals(ops):
+    path = ops.model_dir("healing-model", HELD)
+    ops.load("healing-model", path)
+    open(os.path.join(path, "slow-reload"), "w").close()
+    victim = ops.worker_for("healing-model")
+    victim.kill()
+    wait_until(lambda: script("inspect-workers", *rd(ops)).returncode == 1, what="exit code 1 (degraded)")
+    assert "degraded: healing-model has 1/2 replicas ready (healing)" in script("inspect-workers", *rd(ops)).stdout
+    os.unlink(os.path.join(path, "slow-reload"))
+    wait_until(lambda: script("inspect-workers", *rd(ops)).returncode == 0, what="healed")
+    ops.unload("healing-model")
+
+
+def test_inspect_workers_unreachable_exit_2_with_degraded_mode(ops, tmp_path):
+    done = script("inspect-workers", "--runtime-dir", str(tmp_path))
+    assert done.returncode == 2
+    assert "degraded mode" in done.stderr and "process title" in done.stderr
+    spare_pids = {p.pid for p in ops.spares()}
+    assert any(str(pid) in done.stdout for pid in spare_pids)  # found by title anyway
+
+
+def test_worker_stacks_show_predict_while_busy(ops):
+    path = ops.model_dir("busy-model", HELD)
+    ops.load("busy-model", path)
+    open(os.path.join(path, "hold"), "w").close()
+    call = threading.Thread(target=lambda: ops.infer.ModelInfer(v2.ModelInferRequest(model_name="busy-model"),
+                                                                timeout=30))
+    call.start()
+    try:
+        time.sleep(0.5)
+        done = script("worker-stacks", "busy-model", *rd(ops))
+        assert done.returncode == 0, done.stderr
+        assert "in predict" in done.stdout and "model.py" in done.stdout
+        assert done.stdout.count("== worker ") == 2
+    finally:
+        os.unlink(os.path.join(path, "hold"))
+        call.join(30)
+    ops.unload("busy-model")
+
+
+def test_kill_worker_kills_and_the_model_heals(ops):
+    ops.load("kill-model", ops.model_dir("kill-model", HELD))
+    victim = ops.worker_for("kill-model")
+    done = script("kill-worker", str(victim.pid), *rd(ops))
+    assert done.returncode == 0 and f"killed {victim.pid}" in done.stdout
+    wait_until(lambda: not alive([victim]), what="the worker to die")
+    wait_until(lambda: len([p for p in ops.workers() if "model=kill-model" in " ".join(p.cmdline())]) == 2,
+               what="the model to heal")
+    assert script("kill-worker", "no-such-model", *rd(ops)).returncode == 1
+    ops.unload("kill-model")
+
+
+def scrape(runtime) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{runtime.metrics_port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def sample(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + ("{" if labels else " ")):
+            metric, value = line.rsplit(" ", 1)
+            got = metric[len(name):].strip("{}")
+            if not labels or sorted(got.split(",")) == sorted(want.split(",")):
+                return float(value)
+    raise AssertionError(f"no sample {name}{{{want}}}")
+
+
+def test_metrics_after_traffic(ops):
+    ops.load("metered", ops.model_dir("metered", HELD))
+    for _ in range(3):
+        ops.infer.ModelInfer(v2.ModelInferRequest(model_name="metered"), metadata=mesh_headers("metered"))
+    bad = v2.ModelInferRequest(model_name="metered")
+    bad.inputs.add(name="x", datatype="NOPE", shape=[1])
+    with pytest.raises(Exception):
+        ops.infer.ModelInfer(bad)
+    text = scrape(ops)
+    assert sample(text, "mesh_requests_total", model="metered", method="ModelInfer", code="OK") == 3
+    assert sample(text, "mesh_requests_total", model="metered", method="ModelInfer", code="INVALID_ARGUMENT") == 1
+    assert sample(text, "mesh_request_seconds_count", model="metered", method="ModelInfer") == 4
+    assert sample(text, "mesh_loads_total", outcome="ok") >= 1
+    assert sample(text, "mesh_load_seconds_count", outcome="ok") >= 1
+    assert sample(text, "mesh_model_memory_bytes", model="metered") > 1_000_000
+    assert sample(text, "mesh_model_ready_replicas", model="metered") == 2
+    assert sample(text, "mesh_queue_depth", model="metered") == 0
+    assert sample(text, "mesh_capacity_bytes") > sample(text, "mesh_capacity_used_bytes") > 0
+    assert sample(text, "mesh_warm_spares") >= 0
+    ops.unload("metered")
+    text = scrape(ops)
+    assert 'model="metered"' not in text, "an unloaded model's series stayed"
+    assert sample(text, "mesh_unloads_total") >= 1
+
+
+def test_json_logs_one_object_per_line_with_model_id():
+    with Runtime(LOG_FORMAT="json") as runtime:
+        runtime.load("logged", runtime.model_dir("logged"))
+        runtime.unload("logged")
+        time.sleep(0.2)
+        entries = [json.loads(line) for line in runtime.log().splitlines() if line.strip()]
+    loaded = [e for e in entries if e.get("model_id") == "logged" and e["message"].startswith("loaded")]
+    assert loaded and {"time", "level", "role", "pid"} <= set(loaded[0])
+    assert any(e["message"].startswith("logged unloaded") for e in entries)
+    assert {e["role"] for e in entries} >= {"front", "worker"}
