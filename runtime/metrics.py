@@ -36,15 +36,21 @@ class Metrics:
         self.restarts = Counter("mesh_worker_restarts", "Model workers that died and were replaced, by cause",
                                 ["model", "cause"], registry=self.registry)
         self._series = collections.defaultdict(set)  # model -> label tuples to remove when it goes
+        self._calls: dict[tuple[str, str, str], tuple] = {}
 
     def serve(self, port: int, supervisor) -> None:
         self.registry.register(_StateCollector(supervisor))
         start_http_server(port, registry=self.registry)
 
     def observe_call(self, model_id: str, method: str, code: str, seconds: float) -> None:
-        self.requests.labels(model_id, method, code).inc()
-        self.latency.labels(model_id, method).observe(seconds)
-        self._series[model_id].add((method, code))
+        # The labelled children are cached: labels() costs more than the update itself.
+        children = self._calls.get((model_id, method, code))
+        if children is None:
+            children = self._calls[model_id, method, code] = (
+                self.requests.labels(model_id, method, code), self.latency.labels(model_id, method))
+            self._series[model_id].add((method, code))
+        children[0].inc()
+        children[1].observe(seconds)
 
     def observe_load(self, outcome: str, seconds: float) -> None:
         self.loads.labels(outcome).inc()
@@ -61,6 +67,7 @@ class Metrics:
                 self.restarts.remove(model_id, second)
                 continue
             self.requests.remove(model_id, first, second)
+            self._calls.pop((model_id, first, second), None)
             try:
                 self.latency.remove(model_id, first)
             except KeyError:

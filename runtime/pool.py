@@ -332,7 +332,7 @@ class WorkerPool:
                     worker.kill("hung", f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
                     continue
                 try:
-                    await self.channel.send(worker.identity, ping)
+                    self.channel.send(worker.identity, ping)
                 except PeerGone:
                     pass  # it is dying; the sentinel will report it
 

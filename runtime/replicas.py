@@ -1,8 +1,12 @@
 """Where a model's next request goes: the least busy replica, or a bounded line.
 
 A model has up to MODEL_REPLICAS ready workers, each running up to
-WORKER_THREADS calls at once. `acquire()` picks the ready replica with the
-fewest calls in flight; when none has room (all busy, or all being healed)
+WORKER_THREADS calls at once and holding PIPELINE_DEPTH more in its socket
+queue, so that it starts the next call the moment it finishes one instead of
+idling through a round trip to the front (scripts/bench: about twice the
+throughput at 16 clients). A worker drops a queued call whose deadline
+passed. `acquire()` picks the ready replica with the fewest calls in flight;
+when none has room (all busy, or all being healed)
 the caller waits in line, and when MODEL_QUEUE_MAX callers already wait it
 is refused with RESOURCE_EXHAUSTED (model-mesh retries elsewhere). Whenever
 room appears (a call ends, a healed replica joins) the line is served in
@@ -16,11 +20,15 @@ import collections
 from runtime import status
 from runtime.pool import Worker
 
+# Calls a worker may hold beyond those it runs. Small: a call queued behind a
+# slow one cannot move to another replica.
+PIPELINE_DEPTH = 2
+
 
 class ReplicaSet:
     def __init__(self, model_id: str, threads: int, queue_max: int):
         self.model_id = model_id
-        self.threads = threads
+        self.slots = threads + PIPELINE_DEPTH
         self.queue_max = queue_max
         self.workers: list[Worker] = []  # ready to serve
         self._line: collections.deque[asyncio.Future] = collections.deque()
@@ -38,7 +46,7 @@ class ReplicaSet:
             self.workers.remove(worker)
 
     def _least_busy(self) -> Worker | None:
-        free = [w for w in self.workers if w.serving and w.in_flight < self.threads]
+        free = [w for w in self.workers if w.serving and w.in_flight < self.slots]
         return min(free, key=lambda w: w.in_flight, default=None)
 
     async def acquire(self) -> Worker:

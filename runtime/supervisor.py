@@ -399,10 +399,13 @@ def _sizes(workers: list[Worker]) -> list[int]:
     return sizes
 
 
-def _joined(payloads: list[bytes], append_field: int | None) -> bytes:
-    """The response: the first frame, plus each further frame appended as field `append_field`."""
+def _joined(payloads: list, append_field: int | None) -> bytes:
+    """The response: the first frame, plus each further frame appended as field `append_field`.
+
+    The frames are views over ZeroMQ's buffers: this is the one copy the front makes.
+    """
     if len(payloads) == 1:
-        return payloads[0]
+        return bytes(payloads[0])
     parts = [payloads[0]]
     for extra in payloads[1:]:
         parts.append(wire.bytes_field_header(append_field, len(extra)))

@@ -20,10 +20,16 @@ does). All memory figures are USS read from outside with psutil
 4. predictModelSize latency over 200 calls for the echo folder; p50 and p99;
    target < 5 ms.
 
+5. The data plane (scripts/bench_dataplane.py, run after the table above with
+   its own table): ModelInfer req/s and p50/p99 under h2load at concurrency 1
+   and 16 for a bare grpc.aio server, mesh-runtime (echo, scikit-learn iris,
+   1 MiB) and, with --peer mlserver, MLServer 1.7.1; ratios against issue 3's
+   targets. --skip-dataplane leaves it out, --dataplane-only runs only it.
+
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
-usage: scripts/bench [--loads N] [--json PATH]
+usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only] [--peer mlserver]
 """
 from __future__ import annotations
 
@@ -224,12 +230,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", type=int, default=50, help="timed loads in part 1 (default 50)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--skip-dataplane", action="store_true", help="leave out the data-plane benchmark")
+    parser.add_argument("--dataplane-only", action="store_true", help="run only the data-plane benchmark")
+    parser.add_argument("--peer", choices=["mlserver"], help="data plane: also measure MLServer 1.7.1 "
+                        "(installed into .bench/mlserver-venv on first use)")
     args = parser.parse_args()
     if args.loads < 1:
         parser.error("--loads must be at least 1")
+    if args.skip_dataplane and (args.dataplane_only or args.peer):
+        parser.error("--skip-dataplane goes with neither --dataplane-only nor --peer")
 
     info = machine()
     print(f"machine: {info['cpus']} cpus, python {info['python']}, {info['platform']}")
+    if args.dataplane_only:
+        figures = {}
+        ok = run_dataplane(args, figures)
+        write_json(args, info, figures)
+        return 0 if ok else 1
     rt = harness.Runtime(WORKERS_WARM=str(WARM))
     try:
         progress("starting the runtime")
@@ -247,11 +264,33 @@ def main() -> int:
         shutil.rmtree(rt.root, ignore_errors=True)
     else:
         print(f"\nruntime log kept: {rt.log_path}", file=sys.stderr)
+    if not args.skip_dataplane:
+        ok = run_dataplane(args, figures) and ok
+    write_json(args, info, figures)
+    return 0 if ok else 1
+
+
+def run_dataplane(args, figures: dict) -> bool:
+    """Part 5 (scripts/bench_dataplane.py): prints its table; its figures go to figures["dataplane"]."""
+    import bench_dataplane  # scripts/bench_dataplane.py, beside this file
+
+    progress("5. data plane (h2load)")
+    try:
+        figures["dataplane"], ok = bench_dataplane.run(peer=args.peer)
+    except Exception as error:
+        traceback.print_exc()
+        figures["dataplane"] = {"error": repr(error)}
+        print(f"\ndata plane: ERROR {error!r}")
+        return False
+    bench_dataplane.print_report(figures["dataplane"])
+    return ok
+
+
+def write_json(args, info: dict, figures: dict) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "loads": args.loads, **figures}, f, indent=2)
         print(f"\nfigures written to {args.json}")
-    return 0 if ok else 1
 
 
 def stop(rt: harness.Runtime) -> None:

@@ -13,6 +13,7 @@ import pytest
 from harness import MiB, Runtime, mesh_headers, wait_until
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
+from runtime.replicas import PIPELINE_DEPTH
 
 
 ECHO = """
@@ -268,12 +269,13 @@ def _runs(path):
 
 def test_queue_overflow_is_resource_exhausted(single):
     path = _hold(single, "queued")
-    pool = concurrent.futures.ThreadPoolExecutor(3)
+    pool = concurrent.futures.ThreadPoolExecutor(8)
     request = v2.ModelInferRequest(model_name="queued")
     running = pool.submit(single.infer.ModelInfer, request, timeout=30)
     wait_until(lambda: _runs(path) == 1, what="the first call to run")
-    waiting = [pool.submit(single.infer.ModelInfer, request, timeout=30) for _ in range(2)]
-    time.sleep(0.3)  # both are queued in the front behind the running call
+    # PIPELINE_DEPTH calls wait inside the worker, MODEL_QUEUE_MAX=2 in the front.
+    waiting = [pool.submit(single.infer.ModelInfer, request, timeout=30) for _ in range(PIPELINE_DEPTH + 2)]
+    time.sleep(0.5)
     with pytest.raises(grpc.RpcError) as error:
         single.infer.ModelInfer(request, timeout=30)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""A bare grpc.aio server that answers ModelInfer with fixed bytes: the ceiling of a Python front.
+
+Case (a) of the data-plane benchmark (scripts/bench_dataplane.py). One generic
+handler with no deserialiser and no serialiser: grpc hands it the request
+bytes, it returns a serialised ModelInferResponse prepared at start, and
+never looks at the request. Whatever mesh-runtime does on top of this (find
+the model id, hop to a worker over ZeroMQ, run the model, hop back) is its
+cost; this is what grpc.aio alone costs on the same machine.
+
+usage: scripts/canned_server.py [--port N] [--response FILE | --elements N [--raw]]
+
+  --response FILE   answer with FILE's bytes (a serialised ModelInferResponse)
+  --elements N      else build an FP32 [1, N] response (default 4, typed
+                    contents; --raw puts it in raw_output_contents)
+
+Prints "ready <port>" on stdout once it listens; stops on SIGTERM or SIGINT.
+The server options match the runtime's (64 MiB message limits).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+import grpc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+MESSAGE_LIMIT = 64 * 1024 * 1024
+
+
+def fp32_response(elements: int, raw: bool, model_name: str = "echo") -> bytes:
+    """What the echo model answers to an FP32 [1, elements] input named x."""
+    import numpy as np
+
+    from protos import grpc_predict_v2_pb2 as pb
+
+    values = np.arange(elements, dtype=np.float32)
+    response = pb.ModelInferResponse(model_name=model_name)
+    out = response.outputs.add(name="x", datatype="FP32", shape=[1, elements])
+    if raw:
+        response.raw_output_contents.append(values.tobytes())
+    else:
+        out.contents.fp32_contents.extend(values.tolist())
+    return response.SerializeToString()
+
+
+class Canned(grpc.GenericRpcHandler):
+    def __init__(self, answer: bytes):
+        async def model_infer(request: bytes, context) -> bytes:
+            return answer
+
+        self._handler = grpc.unary_unary_rpc_method_handler(model_infer)
+
+    def service(self, handler_call_details):
+        return self._handler if handler_call_details.method == METHOD else None
+
+
+async def serve(port: int, answer: bytes) -> None:
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
+                                      ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                      ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers([Canned(answer)])
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print(f"ready {bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free one)")
+    parser.add_argument("--response", metavar="FILE", help="serialised ModelInferResponse to answer with")
+    parser.add_argument("--elements", type=int, default=4, help="FP32 [1, N] response when no --response")
+    parser.add_argument("--raw", action="store_true", help="put the built response in raw_output_contents")
+    args = parser.parse_args()
+    if args.response:
+        with open(args.response, "rb") as f:
+            answer = f.read()
+    else:
+        answer = fp32_response(args.elements, args.raw)
+    asyncio.run(serve(args.port, answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
