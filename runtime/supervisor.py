@@ -151,12 +151,9 @@ class Supervisor:
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 async with self._load_slots:
-                    try:
-                        for _ in range(self.settings.model_replicas):
-                            await self._take_worker(model)
-                        replies = await asyncio.gather(*(self._send_load(model, w) for w in model.workers))
-                    finally:
-                        self.pool.replenish()
+                    for _ in range(self.settings.model_replicas):
+                        await self._take_worker(model)
+                    replies = await asyncio.gather(*(self._send_load(model, w) for w in model.workers))
                 for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
@@ -165,6 +162,10 @@ class Supervisor:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
             raise status.worker_died(spec.model_id, "load", gone.exit_code) from None
+        finally:
+            # Replace the spares only now: on two cores a fork during the load
+            # (or its measurement) slows it down.
+            self.pool.replenish()
         model.size = sum(sizes)
         for worker in model.workers:
             model.replicas.add(worker)

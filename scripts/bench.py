@@ -242,6 +242,10 @@ def main() -> int:
 
     info = machine()
     print(f"machine: {info['cpus']} cpus, python {info['python']}, {info['platform']}")
+    # The fork server's preload sets how big every worker's address space is, and
+    # reading a worker's USS (smaps_rollup) walks all of it: say which one ran.
+    from runtime.settings import Settings
+    print(f"WORKER_PRELOAD: {','.join(Settings.from_env().worker_preload)}")
     if args.dataplane_only:
         figures = {}
         ok = run_dataplane(args, figures)
