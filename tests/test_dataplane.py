@@ -1,4 +1,7 @@
 """The first inference path: routing by header or field 1, forwarding bytes, status codes."""
+import threading
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -168,7 +171,6 @@ def test_worker_dying_mid_request_is_unavailable_then_the_model_heals(runtime):
 
 
 def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
-    import threading
     runtime.load("slow", runtime.model_dir("slow", """
         import time
         class Model:
@@ -182,7 +184,6 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
     thread = threading.Thread(target=lambda: outcome.append(
         code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="slow", x=[1]), timeout=30))))
     thread.start()
-    import time
     time.sleep(0.5)
     runtime.unload("slow")
     thread.join(10)

@@ -1,5 +1,4 @@
 """Hostile input: garbage requests, absurd ids, rogue socket peers. Only clear errors; the runtime keeps serving."""
-import os
 
 import grpc
 import numpy as np

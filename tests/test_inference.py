@@ -12,7 +12,6 @@ import pytest
 
 from harness import MiB, Runtime, mesh_headers, wait_until
 from protos import grpc_predict_v2_pb2 as v2
-from protos import model_runtime_pb2 as mm
 from runtime.replicas import PIPELINE_DEPTH
 
 

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from harness import (ECHO_MODEL, MiB, Runtime, alive, allocating_model, mesh_headers, tree,
+from harness import (ECHO_MODEL, MiB, Runtime, alive, allocating_model, tree,
                      wait_until, write_model)
 from protos import model_runtime_pb2 as mm
 

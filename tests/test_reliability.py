@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from harness import MiB, Runtime, alive, mesh_headers, tree, wait_until
+from harness import MiB, Runtime, alive, tree, wait_until
 from protos import grpc_predict_v2_pb2 as v2
 
 # Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "freeze" starts
