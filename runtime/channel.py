@@ -75,8 +75,7 @@ class Channel:
                 raise PeerGone(None) from None
             raise
         finally:
-            if self._loop is not None:
-                self._loop.call_soon(self._drain)
+            self._drain()  # the send may have swallowed the descriptor's edge
 
     async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
                       ) -> tuple[dict, list]:
