@@ -298,7 +298,13 @@ class Supervisor:
         """Reloads the model into fresh workers until it has all its replicas again."""
         while model.state is State.READY and len(model.workers) < self.settings.model_replicas:
             await asyncio.sleep(min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1)))
-            worker = await self._take_worker(model)
+            try:
+                worker = await self._take_worker(model)
+            except status.RpcError as error:  # WORKERS_MAX: no process to heal into
+                log.error("dropping %s: cannot heal it: %s", model.model_id, error.message,
+                          extra={"model_id": model.model_id})
+                self._discard(model)
+                return
             try:
                 async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
                     reply = await self._send_load(model, worker)

@@ -190,3 +190,17 @@ def test_sigterm_lets_calls_under_way_finish():
     assert time.monotonic() - stopped_at <= 15
     wait_until(lambda: not alive(processes), timeout=5, what="no process left")
     runtime.stop()
+
+
+def test_heal_without_a_free_worker_drops_the_model():
+    # WORKERS_MAX=2: A and B fill the cap; A crashes, and C's load takes the freed
+    # slot during A's heal backoff (0.1 s), so A has no process to heal into.
+    with Runtime(WORKERS_WARM="0", WORKERS_MAX="2") as runtime:
+        runtime.load("a", runtime.model_dir("a", TROUBLE))
+        runtime.load("b", runtime.model_dir("b", TROUBLE))
+        code, _ = failure(lambda: ask(runtime, "a", "segv"))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        runtime.load("c", runtime.model_dir("c", TROUBLE))
+        wait_until(lambda: "dropping a: cannot heal it" in runtime.log(), what="a to be dropped")
+        assert failure(lambda: ask(runtime, "a"))[0] == grpc.StatusCode.NOT_FOUND
+        assert ask(runtime, "b").outputs and ask(runtime, "c").outputs
