@@ -50,7 +50,7 @@ class Channel:
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.bind(address)
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, tuple[bytes, asyncio.Future]] = {}
         self._by_peer: dict[bytes, set[int]] = {}
         self._fd = self._socket.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -77,26 +77,41 @@ class Channel:
         finally:
             self._drain()  # the send may have swallowed the descriptor's edge
 
-    async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
-                      ) -> tuple[dict, list]:
-        """Sends op to the worker and returns its (reply header, payload buffers)."""
+    def submit(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any) -> asyncio.Future:
+        """Sends op to the worker; the future resolves to its (reply header, payload buffers).
+
+        The future lives until the worker answers or dies, whoever stops
+        waiting for it: callers that give up shield it, so that the worker's
+        work is accounted for until it is really over.
+        """
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        self._pending[request_id] = (peer, future)
         self._by_peer.setdefault(peer, set()).add(request_id)
+        future.add_done_callback(lambda _: self._forget(peer, request_id))
         try:
             self.send(peer, protocol.header(op, request_id, **fields), payloads)
-            return await future
-        finally:
-            self._pending.pop(request_id, None)
-            waiting = self._by_peer.get(peer)
-            if waiting is not None:
-                waiting.discard(request_id)
+        except PeerGone as gone:
+            future.set_exception(gone)
+        return future
+
+    async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
+                      ) -> tuple[dict, list]:
+        """submit(), awaited; a caller that is cancelled cancels the request too."""
+        return await self.submit(peer, op, payloads, **fields)
+
+    def _forget(self, peer: bytes, request_id: int) -> None:
+        self._pending.pop(request_id, None)
+        waiting = self._by_peer.get(peer)
+        if waiting is not None:
+            waiting.discard(request_id)
+            if not waiting:
+                del self._by_peer[peer]
 
     def fail_peer(self, peer: bytes, exit_code: int | None) -> None:
         """Fails every request waiting on `peer`, which has died."""
-        for request_id in self._by_peer.pop(peer, ()):
-            future = self._pending.get(request_id)
+        for request_id in list(self._by_peer.pop(peer, ())):
+            _, future = self._pending.get(request_id, (None, None))
             if future is not None and not future.done():
                 future.set_exception(PeerGone(exit_code))
 
@@ -114,7 +129,7 @@ class Channel:
         self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
             return
-        future = self._pending.get(header["id"])
-        if future is None or future.done():
-            return  # its caller gave up (cancelled or timed out)
-        future.set_result((header, payloads))  # views over the frames: copied once, by the caller
+        peer_and_future = self._pending.get(header["id"])
+        if peer_and_future is None or peer_and_future[0] != peer or peer_and_future[1].done():
+            return  # given up on, or a reply from a worker the request did not go to
+        peer_and_future[1].set_result((header, payloads))  # views over the frames: copied once, by the caller

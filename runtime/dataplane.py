@@ -106,8 +106,11 @@ class InferenceService(grpc.GenericRpcHandler):
     async def model_ready(self, request, context):
         headers = dict(context.invocation_metadata() or ())
         model_id = request.name
-        if headers.get("mm-model-id-bin") or headers.get("mm-model-id"):
-            model_id = model_id_of(headers.items(), b"")
-        if not self.supervisor.is_ready(model_id):
-            await status.abort(context, status.model_not_found(model_id))
+        try:
+            if headers.get("mm-model-id-bin") or headers.get("mm-model-id"):
+                model_id = model_id_of(headers.items(), b"")
+            if not self.supervisor.is_ready(model_id):
+                raise status.model_not_found(model_id)
+        except status.RpcError as error:
+            await status.abort(context, error)
         return pb.ModelReadyResponse(ready=True)

@@ -165,7 +165,7 @@ class WorkerPool:
         while True:
             while self._spares:
                 worker = self._spares.popleft()
-                if worker.alive:
+                if worker.serving:
                     # No refill yet: on two cores a fork now would slow the load
                     # this worker is for. The caller calls replenish() when done.
                     return worker

@@ -121,7 +121,12 @@ class Supervisor:
                 log.info("%s is already loaded", spec.model_id, extra={"model_id": spec.model_id})
                 return model.size
             if model.state is State.LOADING:
-                return await asyncio.shield(model.load_task)
+                try:
+                    return await asyncio.shield(model.load_task)
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise
+                    raise status.load_cancelled(spec.model_id) from None
             await asyncio.shield(model.gone)  # an unload is finishing: then load afresh
         model = Model(spec, self.settings)
         self._models[spec.model_id] = model
@@ -157,7 +162,7 @@ class Supervisor:
                 for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
-                sizes = await asyncio.gather(*(asyncio.to_thread(memory.uss, w.pid) for w in model.workers))
+                sizes = await asyncio.to_thread(_sizes, model.workers)
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
@@ -166,6 +171,12 @@ class Supervisor:
             # Replace the spares only now: on two cores a fork during the load
             # (or its measurement) slows it down.
             self.pool.replenish()
+        # A worker may die after its reply and before this point; its exit handler
+        # ignored it (the model was loading), so the load must see it now.
+        for worker, size in zip(model.workers, sizes):
+            if not worker.serving or not size:
+                exit_code = worker.exited.result() if worker.exited.done() else None
+                raise status.worker_died(spec.model_id, "load", exit_code)
         model.size = sum(sizes)
         for worker in model.workers:
             model.replicas.add(worker)
@@ -312,12 +323,12 @@ class Supervisor:
                 reply = {"ok": False, "message": "the reload did not finish"}
             finally:
                 self.pool.replenish()
-            if reply["ok"]:
+            if reply["ok"] and worker.serving:
                 model.replicas.add(worker)
                 log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
             else:
                 # Counted as a crash by _on_worker_exit, which may drop the model.
-                worker.kill("reload_failed", f"reload failed: {reply.get('message')}")
+                worker.kill("reload_failed", f"reload failed: {reply.get('message', 'its worker died')}")
                 await asyncio.shield(worker.exited)
 
     async def _watch_memory(self) -> None:
@@ -349,8 +360,9 @@ class Supervisor:
     async def model_size(self, model_id: str) -> int:
         model = self._ready_model(model_id)
         sizes = await asyncio.to_thread(_sizes, model.replicas.workers)
-        model.size = sum(sizes)
-        return model.size
+        if len(sizes) == self.settings.model_replicas and all(sizes):
+            model.size = sum(sizes)
+        return model.size  # while healing: the last full measurement
 
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
         """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
@@ -359,10 +371,10 @@ class Supervisor:
         try:
             async with asyncio.timeout(timeout):
                 worker = await model.replicas.acquire()
-                try:
-                    reply, payloads = await self._call_worker(worker, method, request, deadline)
-                finally:
-                    model.replicas.release(worker)
+                reply_future = self._send_call(model, worker, method, request, deadline)
+                # Shielded: a caller that gives up leaves the call counted on its
+                # worker until the worker answers (a busy worker is not idle).
+                reply, payloads = await asyncio.shield(reply_future)
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:
@@ -374,18 +386,30 @@ class Supervisor:
         worker.served += 1
         return _joined(payloads, reply.get("append_field"))
 
-    async def _call_worker(self, worker: Worker, method: str, request: bytes, deadline: float | None):
+    def _send_call(self, model: Model, worker: Worker, method: str, request: bytes,
+                   deadline: float | None) -> asyncio.Future:
+        """Sends the call; its replica slot is freed, and its timer stopped, when the worker is done."""
+        reply_future = self.pool.channel.submit(worker.identity, protocol.OP_CALL, [request],
+                                                method=method, deadline=deadline)
         limit_ms = self.settings.worker_request_timeout_ms
-        call = self.pool.channel.request(worker.identity, protocol.OP_CALL, [request],
-                                         method=method, deadline=deadline)
-        if not limit_ms:
-            return await call
-        try:
-            async with asyncio.timeout(limit_ms / 1000):
-                return await call
-        except TimeoutError:
+        timer = asyncio.get_running_loop().call_later(
+            limit_ms / 1000, self._call_overdue, worker, reply_future, limit_ms) if limit_ms else None
+
+        def done(future: asyncio.Future) -> None:
+            if timer is not None:
+                timer.cancel()
+            if not future.cancelled():
+                future.exception()  # retrieved: the caller may have left
+            model.replicas.release(worker)
+
+        reply_future.add_done_callback(done)
+        return reply_future
+
+    def _call_overdue(self, worker: Worker, reply_future: asyncio.Future, limit_ms: int) -> None:
+        """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""
+        if not reply_future.done():
+            reply_future.set_exception(status.request_too_long(worker.model_id, limit_ms))
             worker.kill("request_timeout", f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
-            raise status.request_too_long(worker.model_id, limit_ms) from None
 
     def _death_status(self, model: Model, worker: Worker, exit_code: int | None) -> status.RpcError:
         if model.unload_requested:  # the documented race: a request just as mesh unloads

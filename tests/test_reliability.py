@@ -11,7 +11,7 @@ import pytest
 from harness import MiB, Runtime, alive, tree, wait_until
 from protos import grpc_predict_v2_pb2 as v2
 
-# Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "freeze" starts
+# Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "nap" 3 s, "freeze" starts
 # a thread that holds the GIL forever (a catastrophic regex), "grow" allocates
 # 300 MiB and holds it for 5 s. Otherwise it answers with its pid.
 TROUBLE = """
@@ -29,6 +29,8 @@ TROUBLE = """
                 ctypes.string_at(0)
             if "sleep" in inputs:
                 time.sleep(30)
+            if "nap" in inputs:
+                time.sleep(3)
             if "freeze" in inputs:
                 threading.Timer(0.2, re.match, (r"(a+)+$", "a" * 64 + "b")).start()
             if "grow" in inputs:
@@ -204,3 +206,74 @@ def test_heal_without_a_free_worker_drops_the_model():
         wait_until(lambda: "dropping a: cannot heal it" in runtime.log(), what="a to be dropped")
         assert failure(lambda: ask(runtime, "a"))[0] == grpc.StatusCode.NOT_FOUND
         assert ask(runtime, "b").outputs and ask(runtime, "c").outputs
+
+
+def test_a_call_its_client_gave_up_on_still_counts_as_work():
+    # The caller leaves after 0.3 s; the worker naps 3 s, past the 1 s heartbeat
+    # timeout: it is busy, not hung, so it must not be killed.
+    with Runtime(WORKER_HEARTBEAT_TIMEOUT_MS="1000") as runtime:
+        runtime.load("napper", runtime.model_dir("napper", TROUBLE))
+        worker = runtime.worker_for("napper")
+        code, _ = failure(lambda: ask(runtime, "napper", "nap", timeout=0.3))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(3.5)
+        assert alive([worker]), "a busy worker was killed as hung"
+        assert ask(runtime, "napper").outputs
+
+
+def test_abandoned_stuck_calls_still_hit_the_request_timeout():
+    with Runtime(WORKER_THREADS="2", WORKER_REQUEST_TIMEOUT_MS="1500") as runtime:
+        runtime.load("stuck", runtime.model_dir("stuck", TROUBLE))
+        first = runtime.worker_for("stuck")
+        for _ in range(2):  # both threads; each caller is gone after 0.3 s
+            code, _ = failure(lambda: ask(runtime, "stuck", "sleep", timeout=0.3))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: not alive([first]), timeout=10, what="the stuck worker to be killed")
+        assert ask(runtime, "stuck").outputs
+
+
+# Dies DELAY seconds after its constructor returns (DELAY read from the file "delay").
+RACER = """
+    import os, threading
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            with open(os.path.join(path, "delay")) as delay:
+                threading.Timer(float(delay.read()), os._exit, (5,)).start()
+
+        def predict(self, inputs):
+            return {"ok": np.array([1], dtype=np.int32)}
+"""
+
+
+def test_worker_dying_right_after_its_load_reply_never_leaves_a_dead_model():
+    with Runtime(MODEL_CRASH_LIMIT="1") as runtime:
+        path = runtime.model_dir("racer", RACER)
+        for attempt in range(12):
+            with open(os.path.join(path, "delay"), "w") as delay:
+                delay.write(str(attempt / 1000))
+            try:
+                runtime.load("racer", path)
+                loaded = True
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+                loaded = False
+            if loaded:  # the death is then seen: NOT_FOUND (dropped) or an answer, never a hang
+                try:
+                    ask(runtime, "racer", timeout=10)
+                except grpc.RpcError as error:
+                    assert error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE), error.code()
+            runtime.unload("racer")
+
+
+def test_second_load_of_a_loading_model_answers_cancelled_when_unloaded():
+    from test_management import GATED_MODEL
+    with Runtime() as runtime:
+        path = runtime.model_dir("twice", GATED_MODEL)
+        first, second = runtime.load_future("twice", path), runtime.load_future("twice", path)
+        wait_until(lambda: runtime.worker_for("twice"), what="the load to start")
+        time.sleep(0.2)
+        runtime.unload("twice")
+        for future in (first, second):
+            assert future.exception(timeout=10).code() == grpc.StatusCode.CANCELLED

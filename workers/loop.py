@@ -105,7 +105,10 @@ class Worker:
             self.socket.send_multipart(handler(header, payloads), copy=False)
 
     def call_in_thread(self, header: dict, payloads: list) -> None:
-        reply = self.on_call(header, payloads)
+        try:
+            reply = self.on_call(header, payloads)
+        except BaseException as error:  # SystemExit and friends from model code: still answer
+            reply = [protocol.error_reply(header["id"], protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")]
         push = getattr(self.thread_sockets, "push", None)
         if push is None:
             push = self.thread_sockets.push = self.context.socket(zmq.PUSH)
