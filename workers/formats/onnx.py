@@ -15,22 +15,20 @@ import numpy as np
 from workers import v2
 from workers.formats import common
 
-# onnx tensor type -> (V2 datatype, numpy dtype of the array onnxruntime takes)
-TYPES: dict[str, tuple[str, np.dtype]] = {
-    "tensor(bool)": ("BOOL", np.dtype(np.bool_)),
-    "tensor(uint8)": ("UINT8", np.dtype(np.uint8)),
-    "tensor(uint16)": ("UINT16", np.dtype(np.uint16)),
-    "tensor(uint32)": ("UINT32", np.dtype(np.uint32)),
-    "tensor(uint64)": ("UINT64", np.dtype(np.uint64)),
-    "tensor(int8)": ("INT8", np.dtype(np.int8)),
-    "tensor(int16)": ("INT16", np.dtype(np.int16)),
-    "tensor(int32)": ("INT32", np.dtype(np.int32)),
-    "tensor(int64)": ("INT64", np.dtype(np.int64)),
-    "tensor(float16)": ("FP16", np.dtype(np.float16)),
-    "tensor(float)": ("FP32", np.dtype(np.float32)),
-    "tensor(double)": ("FP64", np.dtype(np.float64)),
-    "tensor(string)": ("BYTES", np.dtype(object)),
+# onnx tensor type -> V2 datatype; the numpy dtype comes from v2.DATATYPES.
+DATATYPE_OF_ONNX: dict[str, str] = {
+    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64", "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16", "tensor(int32)": "INT32", "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
 }
+
+
+def _types(onnx_type: str) -> tuple[str, np.dtype | None]:
+    """(V2 datatype, numpy dtype onnxruntime takes) for an onnx tensor type; ("", None) if V2 has none."""
+    datatype = DATATYPE_OF_ONNX.get(onnx_type, "")
+    return datatype, (v2.DATATYPES[datatype][0] if datatype else None)
 
 
 def threads() -> int:
@@ -81,7 +79,7 @@ class OnnxModel:
 def _fed(graph_input, inputs: dict) -> np.ndarray:
     """The request's tensor for one graph input, checked against the graph's type."""
     array = inputs.get(graph_input.name)
-    datatype, dtype = TYPES.get(graph_input.type, ("", None))
+    datatype, dtype = _types(graph_input.type)
     if array is None:
         raise v2.InvalidInput(f"the model needs input {graph_input.name!r} ({datatype or graph_input.type}); "
                               f"the request has {', '.join(map(repr, inputs)) or 'no input'}")
@@ -105,7 +103,7 @@ def _fits(shape: tuple[int, ...], graph_shape) -> bool:
 
 
 def _described(node) -> dict:
-    datatype = TYPES.get(node.type, ("", None))[0]
+    datatype = _types(node.type)[0]
     # Symbolic or unknown dimensions (None, "batch") vary: -1.
     shape = [dim if isinstance(dim, int) else -1 for dim in (node.shape or [])]
     return common.tensor(node.name, datatype, shape)
