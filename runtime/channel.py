@@ -1,9 +1,10 @@
 """The front's side of the worker sockets: one ZeroMQ ROUTER, many worker DEALERs.
 
-`request()` sends a header and payload frames to one worker and awaits the
-reply with the same request id. Every message a worker sends, replies
-included, is shown to the `on_event` callback first (hello, pong, liveness). `fail_peer()` fails every request still
-waiting on a worker that died, so no caller waits on a dead process.
+`submit()` sends a header and payload frames to one worker and returns a
+future for the reply with the same request id. Every message a worker sends,
+replies included, is shown to the `on_event` callback first (hello, pong,
+liveness). `fail_peer()` fails every request still waiting on a worker that
+died, so no caller waits on a dead process.
 """
 from __future__ import annotations
 
@@ -25,6 +26,35 @@ class PeerGone(Exception):
     def __init__(self, exit_code: int | None):
         super().__init__(f"worker exited ({exit_code})")
         self.exit_code = exit_code
+
+
+# pyzmq's sugar (send_multipart, getsockopt) turns flags into enum members and
+# checks every frame in Python; on the hot path the backend methods with
+# plain ints cost a third as much (scripts/bench: several µs a message).
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_get = zmq.backend.Socket.get
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE) | _NOBLOCK
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+# Smaller frames are copied into ZeroMQ: cheaper than pinning a Python buffer.
+COPY_BELOW = 64 * 1024
+
+
+class _Request:
+    """A request a worker has not answered yet.
+
+    It outlives its caller: a caller that gives up cancels `future`, but the
+    request stays until the worker answers or dies, and only then runs
+    `on_end` (which frees the worker's slot), because until then the worker
+    is still busy with it.
+    """
+
+    __slots__ = ("peer", "future", "on_end", "timer")
+
+    def __init__(self, peer: bytes, future: asyncio.Future, on_end: Callable[[], None] | None):
+        self.peer, self.future, self.on_end = peer, future, on_end
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class Channel:
@@ -50,7 +80,7 @@ class Channel:
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.bind(address)
         self._ids = itertools.count(1)
-        self._pending: dict[int, tuple[bytes, asyncio.Future]] = {}
+        self._pending: dict[int, _Request] = {}
         self._by_peer: dict[bytes, set[int]] = {}
         self._fd = self._socket.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -68,8 +98,17 @@ class Channel:
 
     def send(self, peer: bytes, header: bytes, payloads: Sequence[Any] = ()) -> None:
         """One-way message; raises PeerGone if the worker is not connected."""
+        socket = self._socket
         try:
-            self._socket.send_multipart([peer, header, *payloads], zmq.NOBLOCK, copy=False)
+            _send(socket, peer, _MORE)
+            if not payloads:
+                _send(socket, header, _NOBLOCK)
+            else:
+                _send(socket, header, _MORE)
+                last = len(payloads) - 1
+                for index, payload in enumerate(payloads):
+                    _send(socket, payload, _MORE if index < last else _NOBLOCK,
+                          copy=len(payload) < COPY_BELOW)
         except zmq.ZMQError as error:
             if error.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(None) from None
@@ -77,59 +116,83 @@ class Channel:
         finally:
             self._drain()  # the send may have swallowed the descriptor's edge
 
-    def submit(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any) -> asyncio.Future:
-        """Sends op to the worker; the future resolves to its (reply header, payload buffers).
+    def submit(self, peer: bytes, op: str, payloads: Sequence[Any] = (),
+               on_end: Callable[[], None] | None = None, overdue_after: float | None = None,
+               on_overdue: Callable[[], BaseException] | None = None, **fields: Any) -> asyncio.Future:
+        """Sends op to the worker; the future resolves to its (reply header, payload frames).
 
-        The future lives until the worker answers or dies, whoever stops
-        waiting for it: callers that give up shield it, so that the worker's
-        work is accounted for until it is really over.
+        `on_end` runs once the worker has answered or died, whether or not
+        anyone still waits on the future (see _Request). A request still
+        unanswered `overdue_after` seconds later ends with the error that
+        `on_overdue()` returns (it is expected to end the worker too).
         """
         request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = (peer, future)
-        self._by_peer.setdefault(peer, set()).add(request_id)
-        future.add_done_callback(lambda _: self._forget(peer, request_id))
+        future = self._loop.create_future()
+        request = self._pending[request_id] = _Request(peer, future, on_end)
+        if overdue_after is not None:
+            request.timer = self._loop.call_later(overdue_after, self._overdue, request_id, on_overdue)
+        waiting = self._by_peer.get(peer)
+        if waiting is None:
+            waiting = self._by_peer[peer] = set()
+        waiting.add(request_id)
         try:
             self.send(peer, protocol.header(op, request_id, **fields), payloads)
         except PeerGone as gone:
-            future.set_exception(gone)
+            self._end(request_id, error=gone)
         return future
 
     async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
                       ) -> tuple[dict, list]:
-        """submit(), awaited; a caller that is cancelled cancels the request too."""
+        """submit(), awaited."""
         return await self.submit(peer, op, payloads, **fields)
 
-    def _forget(self, peer: bytes, request_id: int) -> None:
-        self._pending.pop(request_id, None)
-        waiting = self._by_peer.get(peer)
-        if waiting is not None:
-            waiting.discard(request_id)
-            if not waiting:
-                del self._by_peer[peer]
+    def _overdue(self, request_id: int, on_overdue: Callable[[], BaseException]) -> None:
+        if request_id in self._pending:
+            self._end(request_id, error=on_overdue())
 
     def fail_peer(self, peer: bytes, exit_code: int | None) -> None:
         """Fails every request waiting on `peer`, which has died."""
-        for request_id in list(self._by_peer.pop(peer, ())):
-            _, future = self._pending.get(request_id, (None, None))
-            if future is not None and not future.done():
-                future.set_exception(PeerGone(exit_code))
+        for request_id in list(self._by_peer.get(peer, ())):
+            self._end(request_id, error=PeerGone(exit_code))
+
+    def _end(self, request_id: int, result: Any = None, error: BaseException | None = None) -> None:
+        request = self._pending.pop(request_id, None)
+        if request is None:
+            return
+        waiting = self._by_peer.get(request.peer)
+        if waiting is not None:
+            waiting.discard(request_id)
+            if not waiting:
+                del self._by_peer[request.peer]
+        if request.timer is not None:
+            request.timer.cancel()
+        if request.on_end is not None:
+            request.on_end()
+        future = request.future
+        if not future.done():
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
     def _drain(self) -> None:
-        while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        socket = self._socket
+        while _get(socket, _EVENTS) & _POLLIN:
+            peer = _recv(socket, _NOBLOCK)
+            header = _recv(socket, _NOBLOCK) if _get(socket, _RCVMORE) else b""
+            payloads = []  # left in ZeroMQ's buffers: the caller copies once
+            while _get(socket, _RCVMORE):
+                payloads.append(_recv(socket, _NOBLOCK, copy=False))
             try:
-                self._dispatch(frames)
+                self._dispatch(peer, protocol.parse_header(header), payloads)
             except protocol.ProtocolError as error:
-                log.error("dropping a malformed message from worker %r: %s", frames[0].bytes, error)
+                log.error("dropping a malformed message from worker %r: %s", peer, error)
 
-    def _dispatch(self, frames: list) -> None:
-        peer = frames[0].bytes
-        header, payloads = protocol.split([frame.buffer for frame in frames[1:]])
+    def _dispatch(self, peer: bytes, header: dict, payloads: list) -> None:
         self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
             return
-        peer_and_future = self._pending.get(header["id"])
-        if peer_and_future is None or peer_and_future[0] != peer or peer_and_future[1].done():
-            return  # given up on, or a reply from a worker the request did not go to
-        peer_and_future[1].set_result((header, payloads))  # views over the frames: copied once, by the caller
+        request = self._pending.get(header["id"])
+        if request is None or request.peer != peer:
+            return  # a reply from a worker the request did not go to
+        self._end(header["id"], result=(header, payloads))

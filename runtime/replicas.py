@@ -46,13 +46,25 @@ class ReplicaSet:
             self.workers.remove(worker)
 
     def _least_busy(self) -> Worker | None:
-        free = [w for w in self.workers if w.serving and w.in_flight < self.slots]
-        return min(free, key=lambda w: w.in_flight, default=None)
+        best = None
+        for worker in self.workers:
+            if worker.in_flight < self.slots and worker.serving and (
+                    best is None or worker.in_flight < best.in_flight):
+                best = worker
+        return best
+
+    def try_acquire(self) -> Worker | None:
+        """A replica with room, counted in, when nobody waits in line; else None."""
+        if self._line:
+            return None
+        worker = self._least_busy()
+        if worker is not None:
+            worker.in_flight += 1
+        return worker
 
     async def acquire(self) -> Worker:
-        worker = self._least_busy()
-        if worker is not None and not self._line:
-            worker.in_flight += 1
+        worker = self.try_acquire()
+        if worker is not None:
             return worker
         if len(self._line) >= self.queue_max:
             raise status.queue_full(self.model_id, self.queue_max)

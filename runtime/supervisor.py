@@ -367,14 +367,18 @@ class Supervisor:
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
         """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
         model = self._ready_model(model_id)
-        deadline = time.time() + timeout if timeout is not None else None
+        worker = None
         try:
-            async with asyncio.timeout(timeout):
-                worker = await model.replicas.acquire()
-                reply_future = self._send_call(model, worker, method, request, deadline)
-                # Shielded: a caller that gives up leaves the call counted on its
-                # worker until the worker answers (a busy worker is not idle).
-                reply, payloads = await asyncio.shield(reply_future)
+            if timeout is None:  # no deadline, no timer
+                worker = model.replicas.try_acquire()
+                if worker is None:
+                    worker = await model.replicas.acquire()
+                reply, payloads = await self._send_call(model, worker, method, request, None)
+            else:
+                async with asyncio.timeout(timeout):
+                    worker = await model.replicas.acquire()
+                    reply, payloads = await self._send_call(model, worker, method, request,
+                                                            time.time() + timeout)
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:
@@ -388,28 +392,24 @@ class Supervisor:
 
     def _send_call(self, model: Model, worker: Worker, method: str, request: bytes,
                    deadline: float | None) -> asyncio.Future:
-        """Sends the call; its replica slot is freed, and its timer stopped, when the worker is done."""
-        reply_future = self.pool.channel.submit(worker.identity, protocol.OP_CALL, [request],
-                                                method=method, deadline=deadline)
+        """Sends the call; its replica slot is freed when the worker is done with it.
+
+        A caller that gives up cancels only the future: the call stays counted
+        on its worker until the worker answers (a busy worker is not idle),
+        and WORKER_REQUEST_TIMEOUT_MS still ends a worker stuck in it.
+        """
         limit_ms = self.settings.worker_request_timeout_ms
-        timer = asyncio.get_running_loop().call_later(
-            limit_ms / 1000, self._call_overdue, worker, reply_future, limit_ms) if limit_ms else None
+        return self.pool.channel.submit(
+            worker.identity, protocol.OP_CALL, [request],
+            on_end=lambda: model.replicas.release(worker),
+            overdue_after=limit_ms / 1000 if limit_ms else None,
+            on_overdue=lambda: self._call_overdue(worker, limit_ms),
+            method=method, deadline=deadline)
 
-        def done(future: asyncio.Future) -> None:
-            if timer is not None:
-                timer.cancel()
-            if not future.cancelled():
-                future.exception()  # retrieved: the caller may have left
-            model.replicas.release(worker)
-
-        reply_future.add_done_callback(done)
-        return reply_future
-
-    def _call_overdue(self, worker: Worker, reply_future: asyncio.Future, limit_ms: int) -> None:
+    def _call_overdue(self, worker: Worker, limit_ms: int) -> status.RpcError:
         """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""
-        if not reply_future.done():
-            reply_future.set_exception(status.request_too_long(worker.model_id, limit_ms))
-            worker.kill("request_timeout", f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
+        worker.kill("request_timeout", f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
+        return status.request_too_long(worker.model_id, limit_ms)
 
     def _death_status(self, model: Model, worker: Worker, exit_code: int | None) -> status.RpcError:
         if model.unload_requested:  # the documented race: a request just as mesh unloads
@@ -433,7 +433,7 @@ def _sizes(workers: list[Worker]) -> list[int]:
 def _joined(payloads: list, append_field: int | None) -> bytes:
     """The response: the first frame, plus each further frame appended as field `append_field`.
 
-    The frames are views over ZeroMQ's buffers: this is the one copy the front makes.
+    The frames are still ZeroMQ's buffers: this is the one copy the front makes.
     """
     if len(payloads) == 1:
         return bytes(payloads[0])
