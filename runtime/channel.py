@@ -96,6 +96,10 @@ class Channel:
         self._socket.close(linger=0)
         self._context.term()
 
+    def awaiting_replies(self) -> bool:
+        """Whether some worker still owes a reply (the event loop polls meanwhile: runtime/busypoll.py)."""
+        return bool(self._pending)
+
     def send(self, peer: bytes, header: bytes, payloads: Sequence[Any] = ()) -> None:
         """One-way message; raises PeerGone if the worker is not connected."""
         socket = self._socket

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, rundir
+from runtime import __version__, busypoll, rundir
 from runtime.admin import AdminServer
 from runtime.dataplane import InferenceService
 from runtime.management import ModelRuntimeServicer
@@ -46,7 +46,9 @@ def run(settings: Settings) -> int:
     except rundir.RuntimeDirError as error:
         log.error("%s", error)
         return 2
-    return asyncio.run(serve(settings))
+    selector = busypoll.BusyPollSelector(settings.busy_poll_us / 1e6)
+    with asyncio.Runner(loop_factory=busypoll.event_loop_factory(selector)) as runner:
+        return runner.run(serve(settings, selector))
 
 
 def build_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server:
@@ -65,8 +67,10 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
     return server
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, selector: busypoll.BusyPollSelector | None = None) -> int:
     supervisor = Supervisor(settings, Metrics())
+    if selector is not None:
+        selector.poll_while(supervisor.pool.channel.awaiting_replies)
     health_servicer = health.aio.HealthServicer()
     server = build_server(settings, supervisor, health_servicer)
     try:

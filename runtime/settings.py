@@ -177,6 +177,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the model heals (0: off)", _at_least(0)),
     Variable("SHUTDOWN_GRACE_MS", _int, 10000,
              "on SIGTERM or SIGINT, how long calls under way may take to finish", _at_least(0)),
+    Variable("BUSY_POLL_US", _int, 1000,
+             "while workers owe the front replies, its event loop polls this long before it sleeps: "
+             "waking a halted CPU costs more than a small call (0: always sleep)", _at_least(0)),
     Variable("WORKER_PRELOAD", _modules, lambda s: default_preload(),
              "modules the fork server imports once, before forking workers; keep the frameworks you "
              "serve in it (a worker importing one itself pays 25-140 MiB and 1-2 s per load)",

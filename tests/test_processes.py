@@ -2,6 +2,7 @@
 import os
 import signal
 import stat
+import time
 
 import psutil
 
@@ -77,3 +78,20 @@ def test_worker_killed_from_outside_is_replaced(rt):
     second = rt.worker_for("victim")
     assert second is not None and second.pid != first.pid
     rt.unload("victim")
+
+
+def test_idle_front_burns_no_cpu_after_serving():
+    """BUSY_POLL_US polls only while replies are due: an idle front sleeps.
+
+    A 200 ms window makes a mistake visible: polling after each heartbeat
+    would burn a tenth of a core or more.
+    """
+    with Runtime(BUSY_POLL_US="200000", WORKERS_WARM="1") as rt:
+        rt.load("idle-check", rt.model_dir("idle-check"))
+        for _ in range(20):
+            rt.infer_fp32("idle-check", [1.0, 2.0])
+        front = psutil.Process(rt.pid)
+        before = sum(front.cpu_times()[:2])
+        time.sleep(3.0)
+        burnt = sum(front.cpu_times()[:2]) - before
+        assert burnt < 0.15, f"the idle front used {burnt:.2f} s of CPU in 3 s"

@@ -37,6 +37,16 @@ log = logging.getLogger("mesh.worker")
 
 POLL_MS = 500
 
+# pyzmq's sugar methods cost several µs a message in enum flags and checks;
+# the backend's, with plain ints, a third of that (as in runtime/channel.py).
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_get = zmq.backend.Socket.get
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE = int(zmq.SNDMORE)
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+COPY_BELOW = 64 * 1024  # smaller frames are copied into ZeroMQ rather than pinned
+
 
 def trim_memory() -> None:
     """Hands freed heap back to the OS so the front measures what the model keeps."""
@@ -74,25 +84,51 @@ class Worker:
         }
 
     def serve(self) -> None:
-        self.socket.send(protocol.header(protocol.OP_HELLO, pid=os.getpid()))
+        self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
         last_heard = time.monotonic()
         while True:
-            ready = dict(self.poller.poll(POLL_MS))
-            if not ready:
-                if time.monotonic() - last_heard > self.heartbeat_timeout:
-                    log.error("no word from the front for %.0f s; exiting", self.heartbeat_timeout)
-                    return
-                continue
-            if self.pool is not None and self.replies in ready:
-                self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
-            if self.socket in ready:
+            # Take everything already queued before polling again: under load
+            # the next call is usually waiting, and a poll costs a system call.
+            received = self.receive_queued()
+            forwarded = self.pool is not None and self.forward_replies()
+            if received:
                 last_heard = time.monotonic()
-                self.receive()
+            elif not forwarded and not self.poller.poll(POLL_MS) \
+                    and time.monotonic() - last_heard > self.heartbeat_timeout:
+                log.error("no word from the front for %.0f s; exiting", self.heartbeat_timeout)
+                return
 
-    def receive(self) -> None:
-        frames = self.socket.recv_multipart(copy=False)
+    def send(self, frames: list) -> None:
+        """Sends one message to the front (frames: header, then payloads)."""
+        socket = self.socket
+        last = len(frames) - 1
+        for index, frame in enumerate(frames):
+            _send(socket, frame, _MORE if index < last else 0, copy=len(frame) < COPY_BELOW)
+
+    def receive_queued(self) -> bool:
+        """Handles every message the front has queued for us; False when there was none."""
+        socket = self.socket
+        received = False
+        while _get(socket, _EVENTS) & _POLLIN:
+            received = True
+            header = _recv(socket, _NOBLOCK)
+            payloads = []  # ZeroMQ's buffers: arrays are built over them without a copy
+            while _get(socket, _RCVMORE):
+                payloads.append(_recv(socket, _NOBLOCK, copy=False).buffer)
+            self.handle(header, payloads)
+        return received
+
+    def forward_replies(self) -> bool:
+        """Passes replies the call threads finished on to the front; False when there was none."""
+        forwarded = False
+        while _get(self.replies, _EVENTS) & _POLLIN:
+            forwarded = True
+            self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
+        return forwarded
+
+    def handle(self, header_frame: bytes, payloads: list) -> None:
         try:
-            header, payloads = protocol.split([frame.buffer for frame in frames])
+            header = protocol.parse_header(header_frame)
         except protocol.ProtocolError as error:
             log.error("dropping a malformed message: %s", error)
             return
@@ -102,7 +138,7 @@ class Worker:
         elif header["op"] == protocol.OP_CALL and self.pool is not None:
             self.pool.submit(self.call_in_thread, header, payloads)
         else:
-            self.socket.send_multipart(handler(header, payloads), copy=False)
+            self.send(handler(header, payloads))
 
     def call_in_thread(self, header: dict, payloads: list) -> None:
         try:
