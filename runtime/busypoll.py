@@ -7,8 +7,10 @@ one client: p50 0.99 ms when the loop sleeps between the request and the
 worker's reply, 0.62 ms when it polls through that gap. So, while replies
 are awaited, select() polls the descriptors for up to BUSY_POLL_US before it
 sleeps. A front with nothing in flight sleeps at once: an idle runtime costs
-no CPU. Between polls it yields the CPU, so a worker or a client that
-shares the core runs first.
+no CPU; so does a front whose workers have requests queued (they are
+saturated, and need the CPU more than the front needs to hear them early:
+runtime/channel.py replies_due_soon). Between polls it yields the CPU, so a
+worker or a client that shares the core runs first.
 """
 from __future__ import annotations
 

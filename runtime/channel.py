@@ -96,9 +96,14 @@ class Channel:
         self._socket.close(linger=0)
         self._context.term()
 
-    def awaiting_replies(self) -> bool:
-        """Whether some worker still owes a reply (the event loop polls meanwhile: runtime/busypoll.py)."""
-        return bool(self._pending)
+    def replies_due_soon(self) -> bool:
+        """Some worker owes a reply and none has a request queued behind another.
+
+        While this holds the event loop polls instead of sleeping
+        (runtime/busypoll.py). A worker with a queue is saturated: its replies
+        come at its own pace, and a polling front would only take CPU from it.
+        """
+        return 0 < len(self._pending) <= len(self._by_peer)
 
     def send(self, peer: bytes, header: bytes, payloads: Sequence[Any] = ()) -> None:
         """One-way message; raises PeerGone if the worker is not connected."""

@@ -70,7 +70,7 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
 async def serve(settings: Settings, selector: busypoll.BusyPollSelector | None = None) -> int:
     supervisor = Supervisor(settings, Metrics())
     if selector is not None:
-        selector.poll_while(supervisor.pool.channel.awaiting_replies)
+        selector.poll_while(supervisor.pool.channel.replies_due_soon)
     health_servicer = health.aio.HealthServicer()
     server = build_server(settings, supervisor, health_servicer)
     try:

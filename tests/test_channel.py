@@ -1,0 +1,137 @@
+"""runtime/channel.py against a hand-driven DEALER: request records, and when polling is worth it."""
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+
+from runtime.channel import Channel, PeerGone
+from workers import protocol
+
+
+class FakeWorker:
+    """A DEALER socket the test answers by hand."""
+
+    def __init__(self, address: str, identity: bytes = b"w1"):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, identity)
+        self.socket.connect(address)
+        self.socket.send(protocol.header(protocol.OP_HELLO, pid=0))
+
+    def take(self) -> dict:
+        assert self.socket.poll(5000), "the front sent nothing"
+        return msgpack.unpackb(self.socket.recv_multipart()[0])
+
+    def answer(self, request_id: int, body: bytes = b"done") -> None:
+        self.socket.send_multipart([protocol.reply(request_id), body])
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+async def until(condition, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Runs an async test with a started Channel and a connected FakeWorker."""
+    def runner(test):
+        async def main():
+            heard = []
+            channel = Channel(f"ipc://{tmp_path}/channel.sock", lambda peer, header: heard.append(header["op"]))
+            channel.start()
+            worker = FakeWorker(channel.address)
+            try:
+                await until(lambda: protocol.OP_HELLO in heard)
+                await test(channel, worker)
+            finally:
+                worker.close()
+                await channel.close()
+        asyncio.run(main())
+    return runner
+
+
+def test_reply_resolves_the_future_with_its_payloads(run):
+    async def test(channel, worker):
+        future = channel.submit(b"w1", protocol.OP_CALL, [b"request"], method="m", deadline=None)
+        header = worker.take()
+        worker.answer(header["id"], b"response")
+        reply, payloads = await asyncio.wait_for(future, 5)
+        assert reply["ok"] and [bytes(p) for p in payloads] == [b"response"]
+    run(test)
+
+
+def test_a_cancelled_caller_keeps_the_request_until_the_worker_answers(run):
+    async def test(channel, worker):
+        ended = []
+        future = channel.submit(b"w1", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
+                                method="m", deadline=None)
+        header = worker.take()
+        future.cancel()
+        await asyncio.sleep(0.05)
+        assert ended == [], "the slot was freed while the worker still worked on the call"
+        assert channel.replies_due_soon()
+        worker.answer(header["id"])
+        await until(lambda: ended == [1])
+    run(test)
+
+
+def test_polling_is_worth_it_only_without_queued_requests(run):
+    async def test(channel, worker):
+        assert not channel.replies_due_soon(), "nothing is owed"
+        first = channel.submit(b"w1", protocol.OP_CALL, [b"1"], method="m", deadline=None)
+        assert channel.replies_due_soon(), "one request, its worker runs it"
+        second = channel.submit(b"w1", protocol.OP_CALL, [b"2"], method="m", deadline=None)
+        assert not channel.replies_due_soon(), "a request queued behind another: the worker is saturated"
+        worker.answer(worker.take()["id"])
+        await first
+        assert channel.replies_due_soon()
+        worker.answer(worker.take()["id"])
+        await second
+        assert not channel.replies_due_soon()
+    run(test)
+
+
+def test_overdue_request_ends_with_the_given_error(run):
+    async def test(channel, worker):
+        ended = []
+        future = channel.submit(b"w1", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
+                                overdue_after=0.05, on_overdue=lambda: TimeoutError("overdue"),
+                                method="m", deadline=None)
+        with pytest.raises(TimeoutError, match="overdue"):
+            await asyncio.wait_for(future, 5)
+        assert ended == [1]
+        worker.answer(worker.take()["id"])  # a late answer is ignored
+        await asyncio.sleep(0.05)
+    run(test)
+
+
+def test_unknown_peer_fails_at_once_and_frees_the_slot(run):
+    async def test(channel, worker):
+        ended = []
+        future = channel.submit(b"nobody", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
+                                method="m", deadline=None)
+        with pytest.raises(PeerGone):
+            await future
+        assert ended == [1] and not channel.replies_due_soon()
+    run(test)
+
+
+def test_dead_peer_fails_every_request_waiting_on_it(run):
+    async def test(channel, worker):
+        futures = [channel.submit(b"w1", protocol.OP_CALL, [b"x"], method="m", deadline=None) for _ in range(3)]
+        channel.fail_peer(b"w1", -9)
+        for future in futures:
+            with pytest.raises(PeerGone):
+                await future
+        assert not channel.replies_due_soon()
+    run(test)
