@@ -227,6 +227,7 @@ class WorkerPool:
             "identity": identity,
             "heartbeat_timeout": WORKER_SILENCE_LIMIT,
             "threads": self.settings.worker_threads,
+            "batch_max": self.settings.worker_batch_max,
             "runtime_dir": self.settings.runtime_dir,
             "log_level": self.settings.log_level,
             "log_format": self.settings.log_format,

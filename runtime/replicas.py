@@ -25,10 +25,22 @@ from runtime.pool import Worker
 PIPELINE_DEPTH = 2
 
 
+def slots_per_worker(threads: int, batch_max: int, batches_rows: bool) -> int:
+    """Calls one worker may hold: those it runs plus PIPELINE_DEPTH, or a batch's worth.
+
+    A single-threaded worker of a row-wise model predicts the calls queued
+    in its socket together (workers/batching.py), up to batch_max at once,
+    so it holds one batch waiting behind the one it runs.
+    """
+    if batches_rows and threads == 1 and batch_max > 1:
+        return 1 + max(PIPELINE_DEPTH, batch_max)
+    return threads + PIPELINE_DEPTH
+
+
 class ReplicaSet:
-    def __init__(self, model_id: str, threads: int, queue_max: int):
+    def __init__(self, model_id: str, slots: int, queue_max: int):
         self.model_id = model_id
-        self.slots = threads + PIPELINE_DEPTH
+        self.slots = slots
         self.queue_max = queue_max
         self.workers: list[Worker] = []  # ready to serve
         self._line: collections.deque[asyncio.Future] = collections.deque()

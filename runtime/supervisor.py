@@ -32,7 +32,7 @@ from runtime.metrics import Metrics
 from runtime.channel import PeerGone
 from runtime.modelspec import ModelSpec
 from runtime.pool import Worker, WorkerPool
-from runtime.replicas import ReplicaSet
+from runtime.replicas import ReplicaSet, slots_per_worker
 from runtime.settings import Settings
 from workers import protocol
 
@@ -60,7 +60,8 @@ class Model:
         self.model_id = spec.model_id
         self.state = State.LOADING
         self.workers: list[Worker] = []  # every worker this model owns, loading ones included
-        self.replicas = ReplicaSet(spec.model_id, settings.worker_threads, settings.model_queue_max)
+        slots = slots_per_worker(settings.worker_threads, settings.worker_batch_max, spec.format.batches_rows)
+        self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
         self.size = 0
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task | None = None

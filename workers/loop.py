@@ -31,7 +31,7 @@ from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import formats, protocol, v2
+from workers import batching, formats, protocol, v2
 
 log = logging.getLogger("mesh.worker")
 
@@ -69,6 +69,8 @@ class Worker:
         self.socket.connect(config["address"])
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
+        self.batch_max = config.get("batch_max", 1)
+        self.batches_rows = False  # set on load: the model's format predicts rows independently
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         threads = config.get("threads", 1)
         if threads > 1:
@@ -80,7 +82,6 @@ class Worker:
         self.handlers = {
             protocol.OP_PING: self.on_ping,
             protocol.OP_LOAD: self.on_load,
-            protocol.OP_CALL: self.on_call,
         }
 
     def serve(self) -> None:
@@ -108,15 +109,16 @@ class Worker:
     def receive_queued(self) -> bool:
         """Handles every message the front has queued for us; False when there was none."""
         socket = self.socket
-        received = False
+        messages = []
         while _get(socket, _EVENTS) & _POLLIN:
-            received = True
             header = _recv(socket, _NOBLOCK)
             payloads = []  # ZeroMQ's buffers: arrays are built over them without a copy
             while _get(socket, _RCVMORE):
                 payloads.append(_recv(socket, _NOBLOCK, copy=False).buffer)
-            self.handle(header, payloads)
-        return received
+            messages.append((header, payloads))
+        if messages:
+            self.handle(messages)
+        return bool(messages)
 
     def forward_replies(self) -> bool:
         """Passes replies the call threads finished on to the front; False when there was none."""
@@ -126,19 +128,26 @@ class Worker:
             self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
         return forwarded
 
-    def handle(self, header_frame: bytes, payloads: list) -> None:
-        try:
-            header = protocol.parse_header(header_frame)
-        except protocol.ProtocolError as error:
-            log.error("dropping a malformed message: %s", error)
-            return
-        handler = self.handlers.get(header["op"])
-        if handler is None:
-            log.error("dropping a message with op %r, which workers do not take", header["op"])
-        elif header["op"] == protocol.OP_CALL and self.pool is not None:
-            self.pool.submit(self.call_in_thread, header, payloads)
-        else:
-            self.send(handler(header, payloads))
+    def handle(self, messages: list[tuple[bytes, list]]) -> None:
+        """Answers messages in order; calls that arrived together go to on_calls as one list."""
+        calls: list[tuple[dict, list]] = []
+        for header_frame, payloads in messages:
+            try:
+                header = protocol.parse_header(header_frame)
+            except protocol.ProtocolError as error:
+                log.error("dropping a malformed message: %s", error)
+                continue
+            op = header["op"]
+            if op == protocol.OP_CALL and self.pool is not None:
+                self.pool.submit(self.call_in_thread, header, payloads)
+            elif op == protocol.OP_CALL:
+                calls.append((header, payloads))
+            elif op in self.handlers:
+                self.send(self.handlers[op](header, payloads))
+            else:
+                log.error("dropping a message with op %r, which workers do not take", op)
+        for reply in self.on_calls(calls):
+            self.send(reply)
 
     def call_in_thread(self, header: dict, payloads: list) -> None:
         try:
@@ -177,21 +186,53 @@ class Worker:
                         extra={"model_id": self.model_id})
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
         trim_memory()
+        self.batches_rows = formats.by_name(self.format).batches_rows and self.batch_max > 1
         log.info("loaded %s (%s) in %.1f ms", self.model_id, self.format,
                  (time.monotonic() - started) * 1000, extra={"model_id": self.model_id})
         return [protocol.reply(request_id)]
 
+    def on_calls(self, calls: list[tuple[dict, list]]) -> list[list]:
+        """Replies to calls that were queued together, in their order.
+
+        A row-wise model predicts alike ModelInfer calls at once
+        (workers/batching.py); every other call runs on its own.
+        """
+        if len(calls) < 2 or not self.batches_rows:
+            return [self.on_call(header, payloads) for header, payloads in calls]
+        replies: dict[int, list] = {}
+        decoded: list[batching.InferCall] = []
+        for header, payloads in calls:
+            call = self._decoded_for_batch(header, payloads)
+            if call is None:
+                replies[header["id"]] = self.on_call(header, payloads)
+            else:
+                decoded.append(call)
+        for group in batching.groups(decoded, self.batch_max):
+            replies.update(self._predict_group(group))
+        return [replies[header["id"]] for header, _ in calls]
+
     def on_call(self, header: dict, payloads: list) -> list:
         request_id, method = header["id"], header["method"]
+        refusal = self._refusal(header)
+        if refusal is not None:
+            return refusal
+        request = payloads[0] if payloads else b""
+        return self._answer(request_id, method, lambda: self._dispatch(request_id, method, request))
+
+    def _refusal(self, header: dict) -> list | None:
+        """The reply to a call that must not run (no model, deadline passed), else None."""
         if self.model is None:
-            return [protocol.error_reply(request_id, protocol.ERROR_NOT_LOADED, "no model in this worker")]
+            return [protocol.error_reply(header["id"], protocol.ERROR_NOT_LOADED, "no model in this worker")]
         deadline = header.get("deadline")
         if deadline is not None and time.time() > deadline:
-            return [protocol.error_reply(request_id, protocol.ERROR_EXPIRED,
+            return [protocol.error_reply(header["id"], protocol.ERROR_EXPIRED,
                                          "the request's deadline passed before it could run")]
-        request = payloads[0] if payloads else b""
+        return None
+
+    def _answer(self, request_id: int, method: str, work) -> list:
+        """work()'s reply frames, or the failed reply naming what went wrong."""
         try:
-            return self._dispatch(request_id, method, request)
+            return work()
         except v2.InvalidInput as error:
             return [protocol.error_reply(request_id, protocol.ERROR_INVALID_INPUT, str(error))]
         except _Unimplemented as error:
@@ -203,8 +244,8 @@ class Worker:
 
     def _dispatch(self, request_id: int, method: str, request) -> list:
         if method == protocol.METHOD_INFER:
-            body, buffers = self._infer(request)
-            return [protocol.reply(request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
+            call = self._decode(request_id, request)
+            return self._infer_reply(call, self._predict(call.request, call.inputs, call.parameters))
         if method == protocol.METHOD_METADATA:
             body = v2.metadata_response(self.model_id, self.format, self.model.metadata())
         elif getattr(self.model, "handles_methods", False):
@@ -213,7 +254,7 @@ class Worker:
             raise _Unimplemented(f"model {self.model_id} does not serve {method}")
         return [protocol.reply(request_id), body]
 
-    def _infer(self, request_bytes) -> tuple[bytes, list]:
+    def _decode(self, request_id: int, request_bytes) -> batching.InferCall:
         try:
             # The raw tensors stay views over the received frame; protobuf parses the rest.
             rest, raw_inputs = wire.split_bytes_field(request_bytes, v2.RAW_INPUT_FIELD)
@@ -221,8 +262,43 @@ class Worker:
         except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request, raw_inputs)
-        outputs = self.model.predict(inputs, parameters, [o.name for o in request.outputs])
-        return v2.encode_response_parts(request, outputs, raw)
+        return batching.InferCall(request_id, request, inputs, parameters, raw)
+
+    def _predict(self, request: pb.ModelInferRequest, inputs: dict, parameters: dict):
+        return self.model.predict(inputs, parameters, [o.name for o in request.outputs])
+
+    @staticmethod
+    def _infer_reply(call: batching.InferCall, outputs) -> list:
+        body, buffers = v2.encode_response_parts(call.request, outputs, call.raw)
+        return [protocol.reply(call.request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
+
+    def _decoded_for_batch(self, header: dict, payloads: list) -> batching.InferCall | None:
+        """A ModelInfer call that may share a predict, decoded; None for one that must run alone."""
+        if header["method"] != protocol.METHOD_INFER or self._refusal(header) is not None:
+            return None
+        try:
+            return self._decode(header["id"], payloads[0] if payloads else b"")
+        except Exception:
+            return None  # on_call decodes it again and says what is wrong
+
+    def _predict_group(self, group: list[batching.InferCall]) -> dict[int, list]:
+        """Replies to a group of alike calls by request id: one predict, or one each if that fails."""
+        if len(group) > 1:
+            try:
+                first = group[0]
+                outputs = self._predict(first.request, batching.stacked_inputs(group), first.parameters)
+                shares = batching.split_outputs(group, outputs)
+            except Exception as error:
+                log.info("a batch of %d calls failed (%s: %s); running them one by one",
+                         len(group), type(error).__name__, error, extra={"model_id": self.model_id})
+            else:
+                return {call.request_id: self._answer(call.request_id, protocol.METHOD_INFER,
+                                                      lambda call=call, share=share: self._infer_reply(call, share))
+                        for call, share in zip(group, shares)}
+        return {call.request_id: self._answer(
+                    call.request_id, protocol.METHOD_INFER,
+                    lambda call=call: self._infer_reply(call, self._predict(call.request, call.inputs, call.parameters)))
+                for call in group}
 
 
 class _Unimplemented(Exception):

@@ -35,6 +35,9 @@ class Format:
     # The least a loaded model of this format costs, whatever its files weigh:
     # predictModelSize never answers less.
     size_floor: int = 8 * MiB
+    # predict() answers each row of its input on its own, so calls that
+    # queued up together may share one predict (workers/batching.py).
+    batches_rows: bool = False
 
     def matches(self, file_name: str) -> bool:
         return file_name in self.file_names or file_name.endswith(self.suffixes or ("\0",))
@@ -71,13 +74,13 @@ FORMATS: tuple[Format, ...] = (
     # (the sklearn extra alone).
     Format("sklearn", "workers.formats.sklearn", framework="sklearn", extra="sklearn",
            suffixes=(".joblib", ".pkl", ".pickle"), aliases=("scikit-learn", "sk-learn", "skl"),
-           size_floor=24 * MiB),
+           size_floor=24 * MiB, batches_rows=True),
     # 7.4-7.5 MiB loaded, 7.8 MiB after a call: xgboost adds 2.6-3.1 MiB.
     Format("xgboost", "workers.formats.xgboost", framework="xgboost", extra="xgboost",
-           suffixes=(".json", ".ubj"), aliases=("xgb",), size_floor=10 * MiB),
+           suffixes=(".json", ".ubj"), aliases=("xgb",), size_floor=10 * MiB, batches_rows=True),
     # 6.0-6.2 MiB loaded, 6.5 MiB after a call: lightgbm adds 1.2-1.8 MiB.
     Format("lightgbm", "workers.formats.lightgbm", framework="lightgbm", extra="lightgbm",
-           suffixes=(".txt",), aliases=("lgbm", "lgb"), size_floor=8 * MiB),
+           suffixes=(".txt",), aliases=("lgbm", "lgb"), size_floor=8 * MiB, batches_rows=True),
     # 15.5-15.7 MiB loaded, 16.6-16.7 MiB after a call: onnxruntime adds
     # 10.7-12 MiB, 8 MiB of it library code that only this worker has mapped.
     Format("onnx", "workers.formats.onnx", framework="onnxruntime", extra="onnx",

@@ -1,0 +1,197 @@
+"""Calls queued together share one predict on row-wise models (workers/batching.py, Worker.on_calls).
+
+In-process: a Worker whose socket nobody serves, handed the calls the way
+receive_queued hands them over. The end-to-end check with scikit-learn is
+at the bottom.
+"""
+import concurrent.futures
+import os
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from protos import grpc_predict_v2_pb2 as v2
+from protos import wire
+from runtime.replicas import PIPELINE_DEPTH, slots_per_worker
+from workers import protocol
+from workers.loop import Worker
+
+
+class RowModel:
+    """Doubles each row; remembers the rows of every predict; rows holding 666 make it raise."""
+    handles_methods = False
+
+    def __init__(self, per_row: bool = True):
+        self.batches: list[int] = []
+        self.per_row = per_row
+
+    def predict(self, inputs, parameters, requested_outputs):
+        x = inputs["x"]
+        self.batches.append(x.shape[0])
+        if (x == 666).any():
+            raise ValueError("poisoned row")
+        if not self.per_row:
+            return {"y": np.asarray([x.sum()])}  # one value for the whole input
+        return {"y": x * 2}
+
+    def metadata(self):
+        return None
+
+
+@pytest.fixture
+def worker(tmp_path):
+    worker = Worker({"address": f"ipc://{tmp_path}/batch.sock", "identity": b"unit",
+                     "heartbeat_timeout": 1, "threads": 1, "batch_max": 8})
+    worker.model, worker.model_id, worker.format = RowModel(), "m", "sklearn"
+    worker.batches_rows = True
+    yield worker
+    worker.socket.close(linger=0)
+    worker.context.term()
+
+
+def request(rows, raw=False, datatype="FP32", outputs=()):
+    array = np.asarray(rows, dtype=np.float32 if datatype == "FP32" else np.float64)
+    message = v2.ModelInferRequest(model_name="m")
+    tensor = message.inputs.add(name="x", datatype=datatype, shape=array.shape)
+    if raw:
+        message.raw_input_contents.append(array.tobytes())
+    elif datatype == "FP32":
+        tensor.contents.fp32_contents.extend(array.ravel())
+    else:
+        tensor.contents.fp64_contents.extend(array.ravel())
+    for name in outputs:
+        message.outputs.add(name=name)
+    return message.SerializeToString()
+
+
+def calls(*bodies, deadline=None):
+    return [({"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": 100 + i,
+              "method": protocol.METHOD_INFER, "deadline": deadline}, [memoryview(body)])
+            for i, body in enumerate(bodies)]
+
+
+def answers(replies):
+    """[(ok, error kind, values of output y)] of on_calls' replies."""
+    out = []
+    for frames in replies:
+        header = msgpack.unpackb(frames[0])
+        if not header["ok"]:
+            out.append((False, header["error"], None))
+            continue
+        body = bytes(frames[1]) + b"".join(wire.bytes_field_header(header["append_field"], len(f)) + bytes(f)
+                                           for f in frames[2:])
+        response = v2.ModelInferResponse.FromString(body)
+        if response.raw_output_contents:
+            values = np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
+        else:
+            values = np.asarray(response.outputs[0].contents.fp32_contents)
+        out.append((True, None, values.reshape(tuple(response.outputs[0].shape)).tolist()))
+    return out
+
+
+def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
+    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4], [5, 6]]), request([[7, 8]])))
+    assert worker.model.batches == [4]
+    assert answers(replies) == [(True, None, [[2, 4]]), (True, None, [[6, 8], [10, 12]]),
+                                (True, None, [[14, 16]])]
+
+
+def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
+    replies = worker.on_calls(calls(request([[1, 2]], raw=True), request([[3, 4]])))
+    assert worker.model.batches == [2]
+    assert [len(frames) for frames in replies] == [3, 2], "the raw call's output travels as its own frame"
+    assert answers(replies) == [(True, None, [[2, 4]]), (True, None, [[6, 8]])]
+
+
+def test_batches_hold_at_most_batch_max_calls(worker):
+    worker.batch_max = 2
+    replies = worker.on_calls(calls(*[request([[i, i]]) for i in range(5)]))
+    assert sorted(worker.model.batches) == [1, 2, 2]
+    assert [a[2] for a in answers(replies)] == [[[2 * i, 2 * i]] for i in range(5)]
+
+
+def test_calls_that_differ_run_apart(worker):
+    bodies = [request([[1, 2]]), request([[3, 4, 5]]), request([[6, 7]], datatype="FP64"),
+              request([[8, 9]], outputs=["y"]), request([[1, 1]])]
+    replies = worker.on_calls(calls(*bodies))
+    assert sorted(worker.model.batches) == [1, 1, 1, 2], "only the first and last call look alike"
+    assert all(ok for ok, _, _ in answers(replies[:2] + replies[3:]))
+
+
+def test_a_bad_request_fails_alone(worker):
+    replies = worker.on_calls(calls(request([[1, 2]]), b"\xff\xff not protobuf", request([[3, 4]])))
+    assert worker.model.batches == [2]
+    assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
+        (True, None), (False, protocol.ERROR_INVALID_INPUT), (True, None)]
+
+
+def test_an_expired_call_is_not_run(worker):
+    expired = calls(request([[9, 9], [9, 9]]), deadline=time.time() - 1)
+    fresh = calls(request([[1, 2]]), request([[3, 4]]))
+    for index, (header, _) in enumerate(fresh):
+        header["id"] = 200 + index
+    replies = worker.on_calls(expired + fresh)
+    assert worker.model.batches == [2], "the expired call's rows were predicted"
+    assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
+        (False, protocol.ERROR_EXPIRED), (True, None), (True, None)]
+
+
+def test_a_failing_batch_is_retried_call_by_call(worker):
+    replies = worker.on_calls(calls(request([[1, 2]]), request([[666, 0]]), request([[3, 4]])))
+    assert worker.model.batches == [3, 1, 1, 1]
+    assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
+        (True, None), (False, protocol.ERROR_MODEL), (True, None)]
+
+
+def test_outputs_that_are_not_per_row_are_retried_call_by_call(worker):
+    worker.model = RowModel(per_row=False)
+    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    assert worker.model.batches == [2, 1, 1]
+    assert [values for _, _, values in answers(replies)] == [[3.0], [7.0]]
+
+
+def test_models_that_are_not_row_wise_never_share(worker):
+    worker.batches_rows = False
+    worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    assert worker.model.batches == [1, 1]
+
+
+def test_front_gives_batching_workers_room_for_a_batch():
+    assert slots_per_worker(threads=1, batch_max=8, batches_rows=True) == 9
+    assert slots_per_worker(threads=1, batch_max=1, batches_rows=True) == 1 + PIPELINE_DEPTH
+    assert slots_per_worker(threads=1, batch_max=8, batches_rows=False) == 1 + PIPELINE_DEPTH
+    assert slots_per_worker(threads=4, batch_max=8, batches_rows=True) == 4 + PIPELINE_DEPTH
+
+
+def test_sklearn_calls_under_load_each_get_their_own_prediction(tmp_path):
+    """64 concurrent calls of different rows against a real iris LogisticRegression."""
+    pytest.importorskip("sklearn")
+    import joblib
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+
+    from harness import Runtime, mesh_headers
+
+    features, labels = load_iris(return_X_y=True)
+    estimator = LogisticRegression(max_iter=1000).fit(features, labels)
+    rows = features[::2][:64].astype(np.float32)
+    expected = estimator.predict(rows)
+    with Runtime(WORKERS_WARM="1") as rt:
+        path = f"{rt.models}/iris-batch"
+        os.makedirs(path)
+        joblib.dump(estimator, f"{path}/model.joblib")
+        rt.load("iris-batch", path, fmt="sklearn")
+
+        def predict(row):
+            message = v2.ModelInferRequest(model_name="iris-batch")
+            message.inputs.add(name="x", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend(row)
+            response = rt.infer.ModelInfer(message, metadata=mesh_headers("iris-batch"), timeout=30)
+            return response.outputs[0].contents.int64_contents[0]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(predict, rows))
+        assert got == expected.tolist()
+        log = rt.log()
+    assert "ERROR" not in log and "batch of" not in log, "a batch failed or the runtime logged an error"
