@@ -10,7 +10,9 @@ Life of a worker (the front drives it; see workers/protocol.py for messages):
 With WORKER_THREADS > 1, calls run in a thread pool; ZeroMQ sockets are not
 thread-safe, so each thread hands its reply to the main loop over an inproc
 PUSH/PULL pair and only the main thread touches the DEALER. With one thread,
-calls run inline: no hop.
+calls run inline: no hop. The loop takes every message already queued before
+it polls again; calls for a row-wise model that arrived together may share
+one predict (workers/batching.py).
 
 The loop ends by itself when the front has been silent for longer than the
 heartbeat timeout; the parent-death signal (workers/lifeline.py) covers the
