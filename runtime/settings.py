@@ -157,7 +157,7 @@ VARIABLES: tuple[Variable, ...] = (
              "worker processes per loaded model; a request goes to the least busy one", _at_least(1)),
     Variable("WORKER_THREADS", _int, 1,
              "requests one worker runs at the same time", _at_least(1)),
-    Variable("WORKER_BATCH_MAX", _int, 8,
+    Variable("WORKER_BATCH_MAX", _int, 16,
              "with WORKER_THREADS=1, a worker of a row-wise model (sklearn, xgboost, lightgbm) predicts up to "
              "this many calls that queued up together at once, each call getting its own rows back "
              "(1: one predict per call)", _at_least(1)),
