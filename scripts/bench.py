@@ -29,7 +29,7 @@ does). All memory figures are USS read from outside with psutil
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
-usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only] [--peer mlserver]
+usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only] [--peer mlserver] [--rounds N]
 """
 from __future__ import annotations
 
@@ -232,6 +232,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--skip-dataplane", action="store_true", help="leave out the data-plane benchmark")
     parser.add_argument("--dataplane-only", action="store_true", help="run only the data-plane benchmark")
+    parser.add_argument("--rounds", type=int, default=1, help="data plane: repeat its interleaved sequence "
+                        "and report each point's median round (default 1)")
     parser.add_argument("--peer", choices=["mlserver"], help="data plane: also measure MLServer 1.7.1 "
                         "(installed into .bench/mlserver-venv on first use)")
     args = parser.parse_args()
@@ -280,7 +282,7 @@ def run_dataplane(args, figures: dict) -> bool:
 
     progress("5. data plane (h2load)")
     try:
-        figures["dataplane"], ok = bench_dataplane.run(peer=args.peer)
+        figures["dataplane"], ok = bench_dataplane.run(peer=args.peer, rounds=args.rounds)
     except Exception as error:
         traceback.print_exc()
         figures["dataplane"] = {"error": repr(error)}
