@@ -295,8 +295,10 @@ class WorkerPool:
         self._workers.pop(worker.identity, None)
         if worker in self._spares:
             self._spares.remove(worker)
-        self.channel.fail_peer(worker.identity, code)
+        # Exited first: failing its requests frees their replica slots at once,
+        # and a dead worker must not look like the least busy one to a caller in line.
         worker.exited.set_result(code)
+        self.channel.fail_peer(worker.identity, code)
         log.info("%r exited (%s)", worker, status.describe_exit(code),
                  extra={"model_id": worker.model_id} if worker.model_id else None)
         self._on_worker_exit(worker, code)

@@ -376,10 +376,10 @@ class Supervisor:
                     worker = await model.replicas.acquire()
                 reply, payloads = await self._send_call(model, worker, method, request, None)
             else:
+                deadline = time.time() + timeout  # from arrival: time in line counts too
                 async with asyncio.timeout(timeout):
                     worker = await model.replicas.acquire()
-                    reply, payloads = await self._send_call(model, worker, method, request,
-                                                            time.time() + timeout)
+                    reply, payloads = await self._send_call(model, worker, method, request, deadline)
         except TimeoutError:
             raise status.deadline_exceeded(model_id) from None
         except PeerGone as gone:

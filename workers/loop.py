@@ -131,7 +131,7 @@ class Worker:
         return forwarded
 
     def handle(self, messages: list[tuple[bytes, list]]) -> None:
-        """Answers messages in order; calls that arrived together go to on_calls as one list."""
+        """Answers messages in order; a row-wise model's calls that arrived together go to on_calls."""
         calls: list[tuple[dict, list]] = []
         for header_frame, payloads in messages:
             try:
@@ -142,8 +142,10 @@ class Worker:
             op = header["op"]
             if op == protocol.OP_CALL and self.pool is not None:
                 self.pool.submit(self.call_in_thread, header, payloads)
+            elif op == protocol.OP_CALL and self.batches_rows:
+                calls.append((header, payloads))  # may share a predict with the calls after it
             elif op == protocol.OP_CALL:
-                calls.append((header, payloads))
+                self.send(self.on_call(header, payloads))  # answered at once, not after the rest
             elif op in self.handlers:
                 self.send(self.handlers[op](header, payloads))
             else:
