@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from harness import MiB, Runtime, alive, tree, wait_until
+from runtime.replicas import PIPELINE_DEPTH
 from protos import grpc_predict_v2_pb2 as v2
 
 # Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "nap" 3 s, "freeze" starts
@@ -277,3 +278,68 @@ def test_second_load_of_a_loading_model_answers_cancelled_when_unloaded():
         runtime.unload("twice")
         for future in (first, second):
             assert future.exception(timeout=10).code() == grpc.StatusCode.CANCELLED
+
+
+# Naps for as long as its input's value says (ms) and notes each call it runs in ran.txt.
+NAPPER = """
+    import os, time
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+
+        def predict(self, inputs):
+            name, value = next(iter(inputs.items()))
+            with open(os.path.join(self.path, "ran.txt"), "a") as log:
+                log.write(name + "\\n")
+            time.sleep(int(value.ravel()[0]) / 1000)
+            return {"pid": np.array([os.getpid()], dtype=np.int64)}
+"""
+
+
+def nap(runtime, model_id, name, ms, timeout=30):
+    request = v2.ModelInferRequest(model_name=model_id)
+    request.inputs.add(name=name, datatype="INT32", shape=[1]).contents.int_contents.append(ms)
+    return runtime.infer.ModelInfer(request, timeout=timeout)
+
+
+def in_background(call, *args, **kwargs) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(call, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
+
+
+def test_callers_in_line_when_a_worker_dies_wait_for_its_replacement():
+    """The dead worker is never handed to a caller waiting in the model's line."""
+    with Runtime(WORKERS_WARM="1") as rt:
+        rt.load("liner", rt.model_dir("liner", NAPPER))
+        victim = rt.worker_for("liner")
+        holding = [in_background(nap, rt, "liner", f"hold{i}", 5000) for i in range(1 + PIPELINE_DEPTH)]
+        time.sleep(0.5)  # the worker now holds all it may hold
+        waiting = [in_background(nap, rt, "liner", f"wait{i}", 0, timeout=25) for i in range(3)]
+        time.sleep(0.5)
+        victim.kill()
+        for call in holding:
+            assert call.exception(30).code() == grpc.StatusCode.UNAVAILABLE
+        for call in waiting:
+            assert call.result(30).outputs[0].contents.int64_contents[0] != victim.pid
+
+
+def test_time_in_line_counts_against_the_deadline_the_worker_gets():
+    """A call that waited in line is dropped by the worker once its client's deadline passed."""
+    with Runtime(WORKERS_WARM="1") as rt:
+        path = rt.model_dir("queue", NAPPER)
+        rt.load("queue", path)
+        holding = [in_background(nap, rt, "queue", f"hold{i}", 1000) for i in range(1 + PIPELINE_DEPTH)]
+        time.sleep(0.3)
+        # Sent at about 1 s, when the first nap ends; the worker reaches it at about 3 s.
+        # Its 2.5 s deadline has passed then, counted from arrival (not from 1 s + 2.5 s).
+        late = in_background(nap, rt, "queue", "late", 0, timeout=2.5)
+        assert late.exception(30).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for call in holding:
+            call.result(30)
+        time.sleep(1.5)
+        with open(os.path.join(path, "ran.txt")) as ran:
+            assert "late" not in ran.read().split(), "the worker ran a call its client had given up on"

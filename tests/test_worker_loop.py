@@ -81,3 +81,18 @@ def test_call_without_a_model(worker):
     worker.model = None
     header, _ = call(worker, raw_request())
     assert header["error"] == protocol.ERROR_NOT_LOADED
+
+
+def test_each_reply_leaves_before_the_next_queued_call_runs(worker):
+    """Calls that were queued together are answered one by one, not all at the end."""
+    events = []
+    worker.send = lambda frames: events.append(("sent", msgpack.unpackb(frames[0])["id"]))
+    predict = worker.model.predict
+    worker.model.predict = lambda *args: (events.append(("ran", None)), predict(*args))[1]
+    messages = []
+    for request_id in (1, 2):
+        header = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": request_id,
+                                "method": protocol.METHOD_INFER, "deadline": None})
+        messages.append((header, [memoryview(raw_request())]))
+    worker.handle(messages)
+    assert events == [("ran", None), ("sent", 1), ("ran", None), ("sent", 2)]
