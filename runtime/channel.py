@@ -28,19 +28,6 @@ class PeerGone(Exception):
         self.exit_code = exit_code
 
 
-# pyzmq's sugar (send_multipart, getsockopt) turns flags into enum members and
-# checks every frame in Python; on the hot path the backend methods with
-# plain ints cost a third as much (scripts/bench: several µs a message).
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE = int(zmq.SNDMORE) | _NOBLOCK
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
-# Smaller frames are copied into ZeroMQ: cheaper than pinning a Python buffer.
-COPY_BELOW = 64 * 1024
-
-
 class _Request:
     """A request a worker has not answered yet.
 
@@ -107,17 +94,8 @@ class Channel:
 
     def send(self, peer: bytes, header: bytes, payloads: Sequence[Any] = ()) -> None:
         """One-way message; raises PeerGone if the worker is not connected."""
-        socket = self._socket
         try:
-            _send(socket, peer, _MORE)
-            if not payloads:
-                _send(socket, header, _NOBLOCK)
-            else:
-                _send(socket, header, _MORE)
-                last = len(payloads) - 1
-                for index, payload in enumerate(payloads):
-                    _send(socket, payload, _MORE if index < last else _NOBLOCK,
-                          copy=len(payload) < COPY_BELOW)
+            protocol.send_frames(self._socket, [peer, header, *payloads], protocol.NOBLOCK)
         except zmq.ZMQError as error:
             if error.errno == zmq.EHOSTUNREACH:
                 raise PeerGone(None) from None
@@ -185,13 +163,9 @@ class Channel:
                 future.set_exception(error)
 
     def _drain(self) -> None:
-        socket = self._socket
-        while _get(socket, _EVENTS) & _POLLIN:
-            peer = _recv(socket, _NOBLOCK)
-            header = _recv(socket, _NOBLOCK) if _get(socket, _RCVMORE) else b""
-            payloads = []  # left in ZeroMQ's buffers: the caller copies once
-            while _get(socket, _RCVMORE):
-                payloads.append(_recv(socket, _NOBLOCK, copy=False))
+        while protocol.readable(self._socket):
+            frames = protocol.receive_frames(self._socket, copied=2)  # peer and header
+            peer, header, payloads = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
             try:
                 self._dispatch(peer, protocol.parse_header(header), payloads)
             except protocol.ProtocolError as error:

@@ -39,15 +39,6 @@ log = logging.getLogger("mesh.worker")
 
 POLL_MS = 500
 
-# pyzmq's sugar methods cost several µs a message in enum flags and checks;
-# the backend's, with plain ints, a third of that (as in runtime/channel.py).
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE = int(zmq.SNDMORE)
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
-COPY_BELOW = 64 * 1024  # smaller frames are copied into ZeroMQ rather than pinned
 
 
 def trim_memory() -> None:
@@ -103,21 +94,15 @@ class Worker:
 
     def send(self, frames: list) -> None:
         """Sends one message to the front (frames: header, then payloads)."""
-        socket = self.socket
-        last = len(frames) - 1
-        for index, frame in enumerate(frames):
-            _send(socket, frame, _MORE if index < last else 0, copy=len(frame) < COPY_BELOW)
+        protocol.send_frames(self.socket, frames)
 
     def receive_queued(self) -> bool:
         """Handles every message the front has queued for us; False when there was none."""
-        socket = self.socket
         messages = []
-        while _get(socket, _EVENTS) & _POLLIN:
-            header = _recv(socket, _NOBLOCK)
-            payloads = []  # ZeroMQ's buffers: arrays are built over them without a copy
-            while _get(socket, _RCVMORE):
-                payloads.append(_recv(socket, _NOBLOCK, copy=False).buffer)
-            messages.append((header, payloads))
+        while protocol.readable(self.socket):
+            header, *payloads = protocol.receive_frames(self.socket, copied=1)
+            # Views of ZeroMQ's buffers: arrays are built over them without a copy.
+            messages.append((header, [frame.buffer for frame in payloads]))
         if messages:
             self.handle(messages)
         return bool(messages)
@@ -125,7 +110,7 @@ class Worker:
     def forward_replies(self) -> bool:
         """Passes replies the call threads finished on to the front; False when there was none."""
         forwarded = False
-        while _get(self.replies, _EVENTS) & _POLLIN:
+        while protocol.readable(self.replies):
             forwarded = True
             self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
         return forwarded
