@@ -717,8 +717,12 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
         row = {"measure": name, "target": f">= {goal:g}x" if goal >= 1 else f">= {goal:.0%}"}
         if a and b:
             value = a["req_s"] / b["req_s"]
-            row.update(value=value, shown=f"{value:.2f}x" if goal >= 1 else f"{value:.0%}",
-                       verdict="PASS" if value >= goal else "MISS")
+            show = (lambda v: f"{v:.2f}x") if goal >= 1 else (lambda v: f"{v:.0%}")
+            # With --rounds, the same ratio within each round too (rounds are interleaved,
+            # so a burst of noise hits both sides of a round alike).
+            per_round = [x / y for x, y in zip(a.get("rounds_req_s", []), b.get("rounds_req_s", []))]
+            shown = show(value) + (f" (rounds: {' '.join(map(show, per_round))})" if len(per_round) > 1 else "")
+            row.update(value=value, rounds=per_round, shown=shown, verdict="PASS" if value >= goal else "MISS")
         else:
             row.update(value=None, shown="n/a", verdict="" if peer_needed and not peer else "n/a",
                        why="needs --peer mlserver" if peer_needed and not peer else "a point failed")
