@@ -34,17 +34,17 @@ class BusyPollSelector(selectors.DefaultSelector):
     def select(self, timeout: float | None = None):
         if self.poll_seconds <= 0 or (timeout is not None and timeout <= 0) or not self._awaiting():
             return super().select(timeout)
-        window = self.poll_seconds if timeout is None else min(self.poll_seconds, timeout)
-        give_up = time.perf_counter() + window
+        started = time.perf_counter()
+        give_up = started + (self.poll_seconds if timeout is None else min(self.poll_seconds, timeout))
         while True:
             events = super().select(0)
             if events:
                 return events
-            remaining = give_up - time.perf_counter()
-            if remaining <= 0 or not self._awaiting():
+            if time.perf_counter() >= give_up or not self._awaiting():
                 break
             os.sched_yield()
-        return super().select(None if timeout is None else max(0.0, timeout - window))
+        # What is left of the caller's timeout, however long the polling took.
+        return super().select(None if timeout is None else max(0.0, timeout - (time.perf_counter() - started)))
 
 
 def event_loop_factory(selector: BusyPollSelector) -> Callable[[], asyncio.AbstractEventLoop]:

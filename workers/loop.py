@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -38,7 +39,6 @@ from workers import batching, formats, protocol, v2
 log = logging.getLogger("mesh.worker")
 
 POLL_MS = 500
-
 
 
 def trim_memory() -> None:
@@ -272,6 +272,7 @@ class Worker:
 
     def _predict_group(self, group: list[batching.InferCall]) -> dict[int, list]:
         """Replies to a group of alike calls by request id: one predict, or one each if that fails."""
+        shares = None
         if len(group) > 1:
             try:
                 first = group[0]
@@ -280,14 +281,15 @@ class Worker:
             except Exception as error:
                 log.info("a batch of %d calls failed (%s: %s); running them one by one",
                          len(group), type(error).__name__, error, extra={"model_id": self.model_id})
-            else:
-                return {call.request_id: self._answer(call.request_id, protocol.METHOD_INFER,
-                                                      lambda call=call, share=share: self._infer_reply(call, share))
-                        for call, share in zip(group, shares)}
-        return {call.request_id: self._answer(
-                    call.request_id, protocol.METHOD_INFER,
-                    lambda call=call: self._infer_reply(call, self._predict(call.request, call.inputs, call.parameters)))
-                for call in group}
+        return {call.request_id: self._answer(call.request_id, protocol.METHOD_INFER,
+                                              functools.partial(self._reply_to, call, share))
+                for call, share in zip(group, shares or [None] * len(group))}
+
+    def _reply_to(self, call: batching.InferCall, outputs: dict | None) -> list:
+        """The reply to one call: with its share of a batch's outputs, else after its own predict."""
+        if outputs is None:
+            outputs = self._predict(call.request, call.inputs, call.parameters)
+        return self._infer_reply(call, outputs)
 
 
 class _Unimplemented(Exception):
