@@ -96,3 +96,18 @@ def test_each_reply_leaves_before_the_next_queued_call_runs(worker):
         messages.append((header, [memoryview(raw_request())]))
     worker.handle(messages)
     assert events == [("ran", None), ("sent", 1), ("ran", None), ("sent", 2)]
+
+
+@pytest.mark.parametrize("elements", [2, protocol.COPY_BELOW], ids=["small", "at-copy-threshold"])
+def test_raw_request_decodes_alike_below_and_above_the_copy_threshold(worker, elements):
+    """Small requests are parsed whole; big ones keep their tensors as views of the received frame."""
+    values = np.arange(elements, dtype=np.float32)
+    request = v2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, elements])
+    request.raw_input_contents.append(values.tobytes())
+    frame = memoryview(request.SerializeToString())
+    call = worker._decode(7, frame)
+    assert call.raw and call.inputs["x"].shape == (1, elements)
+    assert np.array_equal(call.inputs["x"][0], values)
+    big = len(frame) >= protocol.COPY_BELOW
+    assert np.shares_memory(call.inputs["x"], np.frombuffer(frame, dtype=np.uint8)) == big
