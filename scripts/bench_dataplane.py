@@ -11,6 +11,9 @@ one stream at a time per connection (-m 1) over 1 or 16 connections.
 Cases (each at concurrency 1 and 16):
   (a) scripts/canned_server.py: a bare grpc.aio server answering every call
       with fixed response bytes (the ceiling of a Python front),
+  (a2) the same with --hop: every call's bytes go over ZeroMQ to a child
+      process that answers the fixed bytes (the ceiling of a front that
+      forwards; not a target, it shows what the hop alone costs),
   (b) mesh-runtime serving an echo model (FP32 [1,4] in, the same out),
   (c) mesh-runtime serving a scikit-learn LogisticRegression trained on iris
       (sklearn format; FP32 [1,4] in, `predict` out; should that format not
@@ -425,8 +428,9 @@ def stop_process(process: subprocess.Popen) -> None:
 class Canned:
     """scripts/canned_server.py in a subprocess, answering with `response`."""
 
-    def __init__(self, folder: str, name: str, response: bytes):
+    def __init__(self, folder: str, name: str, response: bytes, hop: bool = False):
         self.folder = folder
+        self.hop = hop
         self.port = harness.free_port()
         self.response_path = os.path.join(folder, f"canned-{name}.bin")
         with open(self.response_path, "wb") as f:
@@ -437,7 +441,8 @@ class Canned:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(REPO, "scripts", "canned_server.py"), "--port", str(self.port),
-             "--response", self.response_path], stdout=self.log, stderr=subprocess.STDOUT,
+             "--response", self.response_path, *(["--hop"] if self.hop else [])],
+            stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         wait_port(self.port, self.process, self.log_path, 30)
         return self
@@ -447,7 +452,7 @@ class Canned:
         self.log.close()
 
     def processes(self) -> list[psutil.Process]:
-        return [psutil.Process(self.process.pid)]
+        return harness.tree(self.process.pid)  # with --hop, its child too
 
 
 ECHO_MLSERVER = '''
@@ -566,9 +571,10 @@ def load_iris_model(rt: harness.Runtime) -> str:
 # -- the plan ---------------------------------------------------------------------------------
 
 CASE_A, CASE_B, CASE_C = "(a) grpc.aio canned", "(b) mesh-runtime echo", "(c) mesh-runtime sklearn"
+CASE_A2 = "(a2) canned via a ZeroMQ hop"
 CASE_D_SKLEARN, CASE_D_ECHO = "(d) MLServer sklearn", "(d) MLServer echo"
 # Every (case, payload) in the order the table shows them.
-ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL),
+ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A2, SMALL), (CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL),
         (CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG))
 
 
@@ -607,6 +613,13 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
                                        mesh_header_lines("echo"), expect_anything, canned.processes, folder))
             except Exception as error:
                 cannot(((CASE_A, payload),), error)
+        # (a2) the same behind one ZeroMQ hop
+        try:
+            hop = stack.enter_context(Canned(folder, "hop", echo_response("echo", False), hop=True))
+            targets_.append(Target(CASE_A2, SMALL, hop.port, small_request("echo"), mesh_header_lines("echo"),
+                                   expect_anything, hop.processes, folder))
+        except Exception as error:
+            cannot(((CASE_A2, SMALL),), error)
 
         # (b) and (c): one runtime with its defaults, serving echo and iris
         rt = harness.Runtime(**RUNTIME_ENV)
@@ -713,16 +726,22 @@ def _find(points: list[dict], case_prefix: str, payload: str, c: int) -> dict | 
 def targets(points: list[dict], peer: str | None) -> list[dict]:
     """The issue's targets: each with its value, or why it has none."""
     def ratio(name, num, den, c, payload, goal, peer_needed=False):
+        """goal None: a ratio shown for reading the others, with no target of its own."""
         a, b = _find(points, num, payload, c), _find(points, den, payload, c)
-        row = {"measure": name, "target": f">= {goal:g}x" if goal >= 1 else f">= {goal:.0%}"}
+        if goal is None:
+            target = "(reference)"
+        else:
+            target = f">= {goal:g}x" if goal >= 1 else f">= {goal:.0%}"
+        row = {"measure": name, "target": target}
         if a and b:
             value = a["req_s"] / b["req_s"]
-            show = (lambda v: f"{v:.2f}x") if goal >= 1 else (lambda v: f"{v:.0%}")
+            show = (lambda v: f"{v:.2f}x") if goal and goal >= 1 else (lambda v: f"{v:.0%}")
             # With --rounds, the same ratio within each round too (rounds are interleaved,
             # so a burst of noise hits both sides of a round alike).
             per_round = [x / y for x, y in zip(a.get("rounds_req_s", []), b.get("rounds_req_s", []))]
             shown = show(value) + (f" (rounds: {' '.join(map(show, per_round))})" if len(per_round) > 1 else "")
-            row.update(value=value, rounds=per_round, shown=shown, verdict="PASS" if value >= goal else "MISS")
+            verdict = "" if goal is None else "PASS" if value >= goal else "MISS"
+            row.update(value=value, rounds=per_round, shown=shown, verdict=verdict)
         else:
             row.update(value=None, shown="n/a", verdict="" if peer_needed and not peer else "n/a",
                        why="needs --peer mlserver" if peer_needed and not peer else "a point failed")
@@ -740,6 +759,9 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
     rows.append(row)
     rows.append(ratio("(b) / (a) req/s, 1 MiB, c=16", "(b)", "(a)", 16, BIG, 0.45))
     rows.append(ratio("(b) / (d) req/s, 1 MiB, c=16", "(b)", "(d)", 16, BIG, 5, True))
+    # How (b) / (a) splits: what the bare hop keeps of (a), and what mesh-runtime keeps of the hop.
+    rows.append(ratio("(a2) / (a) req/s, FP32 [1,4], c=16", "(a2)", "(a)", 16, SMALL, None))
+    rows.append(ratio("(b) / (a2) req/s, FP32 [1,4], c=16", "(b)", "(a2)", 16, SMALL, None))
     return rows
 
 
@@ -771,7 +793,7 @@ def print_report(figures: dict) -> None:
     print()
     print("targets (issue 3, item 7)")
     _table(("measure", "value", "target", ""),
-           [(t["measure"], t["shown"], t["target"], t["verdict"] or f"({t.get('why', '')})")
+           [(t["measure"], t["shown"], t["target"], t["verdict"] or (f"({t['why']})" if t.get("why") else ""))
             for t in figures["targets"]])
     print("\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
           "workers); other cpu: what the rest of the machine used meanwhile")

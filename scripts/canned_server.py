@@ -8,11 +8,19 @@ never looks at the request. Whatever mesh-runtime does on top of this (find
 the model id, hop to a worker over ZeroMQ, run the model, hop back) is its
 cost; this is what grpc.aio alone costs on the same machine.
 
-usage: scripts/canned_server.py [--port N] [--response FILE | --elements N [--raw]]
+With --hop it is case (a2), the ceiling of a front that forwards: the
+handler sends the request bytes over ZeroMQ (ROUTER, ipc://) to a child
+process that answers the fixed bytes at once, and returns what comes back.
+That is the bare shape of mesh-runtime's hop, without anything mesh-runtime
+does around it (routing, replicas, deadlines, metrics, V2 decode and encode
+in the worker).
+
+usage: scripts/canned_server.py [--port N] [--hop] [--response FILE | --elements N [--raw]]
 
   --response FILE   answer with FILE's bytes (a serialised ModelInferResponse)
   --elements N      else build an FP32 [1, N] response (default 4, typed
                     contents; --raw puts it in raw_output_contents)
+  --hop             answer through a child process over ZeroMQ
 
 Prints "ready <port>" on stdout once it listens; stops on SIGTERM or SIGINT.
 The server options match the runtime's (64 MiB message limits).
@@ -21,11 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import multiprocessing
 import os
 import signal
 import sys
 
 import grpc
+import zmq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -61,11 +72,64 @@ class Canned(grpc.GenericRpcHandler):
         return self._handler if handler_call_details.method == METHOD else None
 
 
-async def serve(port: int, answer: bytes) -> None:
+class Hop(grpc.GenericRpcHandler):
+    """Each call's bytes go to a child process over ZeroMQ; its answer is the response."""
+
+    def __init__(self, answer: bytes):
+        address = f"ipc://@canned-hop-{os.getpid()}"  # abstract: no file to leave behind
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.bind(address)
+        self._child = multiprocessing.get_context("fork").Process(
+            target=_hop_child, args=(address, answer, os.getpid()), daemon=True)
+        self._child.start()
+        self._socket.recv_multipart()  # its hello: it is connected
+        self._ids = itertools.count()
+        self._waiting: dict[bytes, asyncio.Future] = {}
+        self._handler = grpc.unary_unary_rpc_method_handler(self._forward)
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self._socket.getsockopt(zmq.FD), self._drain)
+
+    def stop(self) -> None:
+        self._child.kill()
+        self._child.join()
+
+    def service(self, handler_call_details):
+        return self._handler if handler_call_details.method == METHOD else None
+
+    async def _forward(self, request: bytes, context) -> bytes:
+        call_id = next(self._ids).to_bytes(8, "little")
+        answered = self._waiting[call_id] = asyncio.get_running_loop().create_future()
+        self._socket.send_multipart([b"child", call_id, request])
+        self._drain()  # the send may have swallowed the descriptor's edge
+        return await answered
+
+    def _drain(self) -> None:
+        while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            _, call_id, answer = self._socket.recv_multipart()
+            self._waiting.pop(call_id).set_result(answer)
+
+
+def _hop_child(address: str, answer: bytes, parent: int) -> None:
+    from workers import lifeline
+    lifeline.die_with_parent(parent)
+    socket = zmq.Context().socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, b"child")
+    socket.connect(address)
+    socket.send(b"hello")
+    while True:
+        call_id, _ = socket.recv_multipart()
+        socket.send_multipart([call_id, answer])
+
+
+async def serve(port: int, answer: bytes, hop: bool = False) -> None:
+    handler = Hop(answer) if hop else Canned(answer)  # forks: before grpc starts its threads
+    if hop:
+        handler.start()
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
                                       ("grpc.max_receive_message_length", MESSAGE_LIMIT),
                                       ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers([Canned(answer)])
+    server.add_generic_rpc_handlers([handler])
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print(f"ready {bound}", flush=True)
@@ -75,6 +139,8 @@ async def serve(port: int, answer: bytes) -> None:
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     await server.stop(1)
+    if hop:
+        handler.stop()
 
 
 def main() -> int:
@@ -83,13 +149,14 @@ def main() -> int:
     parser.add_argument("--response", metavar="FILE", help="serialised ModelInferResponse to answer with")
     parser.add_argument("--elements", type=int, default=4, help="FP32 [1, N] response when no --response")
     parser.add_argument("--raw", action="store_true", help="put the built response in raw_output_contents")
+    parser.add_argument("--hop", action="store_true", help="answer through a child process over ZeroMQ")
     args = parser.parse_args()
     if args.response:
         with open(args.response, "rb") as f:
             answer = f.read()
     else:
         answer = fp32_response(args.elements, args.raw)
-    asyncio.run(serve(args.port, answer))
+    asyncio.run(serve(args.port, answer, args.hop))
     return 0
 
 

@@ -1,0 +1,61 @@
+"""scripts/canned_server.py, the reference servers of the data-plane benchmark (cases a and a2)."""
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import psutil
+import pytest
+
+from harness import REPO, free_port, wait_until
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+ANSWER = b"\x0a\x04echo"  # a ModelInferResponse with model_name "echo"
+
+
+@pytest.fixture
+def start_canned(tmp_path):
+    started = []
+
+    def start(*options):
+        answer = tmp_path / "answer.bin"
+        answer.write_bytes(ANSWER)
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(REPO, "scripts", "canned_server.py"), "--port", str(port),
+             "--response", str(answer), *options], stdout=subprocess.PIPE, text=True)
+        started.append(process)
+        assert process.stdout.readline().split() == ["ready", str(port)]
+        return process, port
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+def infer(port: int, body: bytes) -> bytes:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return channel.unary_unary(METHOD)(body, timeout=10)
+
+
+@pytest.mark.parametrize("options", [(), ("--hop",)], ids=["canned", "hop"])
+def test_answers_every_call_with_the_fixed_bytes(start_canned, options):
+    process, port = start_canned(*options)
+    assert [infer(port, bytes([n]) * n) for n in (0, 1, 100)] == [ANSWER] * 3
+    with pytest.raises(grpc.RpcError) as error:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")(b"", timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_hop_child_ends_with_its_server(start_canned, how):
+    process, port = start_canned("--hop")
+    assert infer(port, b"x") == ANSWER
+    (child,) = psutil.Process(process.pid).children()
+    process.send_signal(how)
+    process.wait(10)
+    wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
+               what="the hop child to exit")
