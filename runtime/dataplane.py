@@ -60,28 +60,20 @@ class InferenceService(grpc.GenericRpcHandler):
             f"{SERVICE}/ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
             f"{SERVICE}/ModelReady": (self.model_ready, pb.ModelReadyRequest),
         }
-        # By method name within SERVICE, as grpc registers them.
-        self._handlers = {name.rsplit("/", 1)[1]: grpc.unary_unary_rpc_method_handler(handler)
+        self._handlers = {f"/{name}": grpc.unary_unary_rpc_method_handler(handler)
                           for name, handler in forwarded.items()}
         for name, (handler, request_type) in local.items():
-            self._handlers[name.rsplit("/", 1)[1]] = grpc.unary_unary_rpc_method_handler(
+            self._handlers[f"/{name}"] = grpc.unary_unary_rpc_method_handler(
                 handler, request_deserializer=request_type.FromString,
                 response_serializer=lambda message: message.SerializeToString())
 
-    def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Registers our methods with grpc core, which then routes each call to its
-        handler without asking every service's Python lookup first; custom methods
-        (ALLOW_ANY_METHOD) still come through service()."""
-        server.add_registered_method_handlers(SERVICE, self._handlers)
-        server.add_generic_rpc_handlers([self])
-
     def service(self, handler_call_details):
-        """A handler for a method no service registered: a custom method, when allowed."""
         method = handler_call_details.method
-        if not self.allow_any_method or method.startswith(NEVER_FORWARDED):
-            return None
-        # Built per call, not cached: method names come from clients.
-        return grpc.unary_unary_rpc_method_handler(self._forwarder(method.lstrip("/")))
+        handler = self._handlers.get(method)
+        if handler is None and self.allow_any_method and not method.startswith(NEVER_FORWARDED):
+            # Built per call, not cached: method names come from clients.
+            handler = grpc.unary_unary_rpc_method_handler(self._forwarder(method.lstrip("/")))
+        return handler
 
     def _forwarder(self, method: str):
         # Metric labels: our own method names, "other" for custom ones (clients choose those).

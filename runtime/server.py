@@ -63,7 +63,7 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
     # Last: with ALLOW_ANY_METHOD it takes every method the others did not.
-    InferenceService(supervisor, settings.allow_any_method).add_to_server(server)
+    server.add_generic_rpc_handlers([InferenceService(supervisor, settings.allow_any_method)])
     return server
 
 
