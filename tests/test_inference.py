@@ -227,6 +227,19 @@ def test_64_concurrent_requests_spread_over_both_replicas(replicated):
     replicated.unload("spread")
 
 
+def test_allow_any_method_leaves_health_and_reflection_alone(replicated):
+    """The inference service is asked first for every method; it must not take these."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    health = health_pb2_grpc.HealthStub(replicated.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    answers = reflection_pb2_grpc.ServerReflectionStub(replicated.channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    services = {s.name for answer in answers for s in answer.list_services_response.service}
+    assert {"mmesh.ModelRuntime", "inference.GRPCInferenceService"} <= services
+
+
 def test_custom_method_reaches_handle(replicated):
     replicated.load("custom", replicated.model_dir("custom", PID_MODEL))
     call = replicated.channel.unary_unary("/acme.Scorer/Score")
