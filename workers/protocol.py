@@ -121,13 +121,17 @@ def split(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
 # pyzmq's sugar (send_multipart, recv_multipart, getsockopt) turns flags into
 # enum members and checks every frame in Python; its backend methods with
 # plain ints cost a third as much (several µs a message, scripts/bench).
+# Even the backend's getsockopt builds an enum member for the option, which
+# costs three times what the call does (callgrind: 10k instructions for one
+# EVENTS check): so readiness comes from zmq_poll, and "more frames follow"
+# from the frame itself.
 
 _send = zmq.backend.Socket.send
 _recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
+_poll = zmq.backend.zmq_poll
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_POLLIN = int(zmq.POLLIN)
 # Smaller frames are copied into ZeroMQ: cheaper than pinning a Python buffer.
 COPY_BELOW = 64 * 1024
 
@@ -141,13 +145,15 @@ def send_frames(socket: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> No
 
 def readable(socket: zmq.Socket) -> bool:
     """Whether a message waits on `socket` (this also clears its descriptor's edge)."""
-    return bool(_get(socket, _EVENTS) & _POLLIN)
+    return bool(_poll([(socket, _POLLIN)], 0))
 
 
 def receive_frames(socket: zmq.Socket, copied: int) -> list:
     """The next message (call once readable()): its first `copied` frames as bytes,
     the rest left in ZeroMQ's buffers as zmq.Frame (tensors are read in place)."""
-    frames = [_recv(socket, NOBLOCK)]
-    while _get(socket, _RCVMORE):
-        frames.append(_recv(socket, NOBLOCK, copy=len(frames) < copied))
+    frame = _recv(socket, NOBLOCK, copy=False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = _recv(socket, NOBLOCK, copy=False)
+        frames.append(frame.bytes if len(frames) < copied else frame)
     return frames
