@@ -31,6 +31,7 @@ class InferCall(NamedTuple):
     inputs: dict[str, np.ndarray]
     parameters: dict[str, Any]
     raw: bool
+    requested: list[str]  # the request's output names, in its order (empty: all the model's)
 
     @property
     def rows(self) -> int | None:
@@ -45,8 +46,7 @@ class InferCall(NamedTuple):
 def _likeness(call: InferCall) -> tuple:
     """Calls with equal likeness may share one predict."""
     inputs = tuple((name, array.dtype.str, array.shape[1:]) for name, array in call.inputs.items())
-    outputs = tuple(output.name for output in call.request.outputs)
-    return inputs, outputs, repr(sorted(call.parameters.items()))
+    return inputs, tuple(call.requested), repr(sorted(call.parameters.items()))
 
 
 def groups(calls: list[InferCall], batch_max: int) -> list[list[InferCall]]:

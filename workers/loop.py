@@ -234,7 +234,7 @@ class Worker:
     def _dispatch(self, request_id: int, method: str, request) -> list:
         if method == protocol.METHOD_INFER:
             call = self._decode(request_id, request)
-            return self._infer_reply(call, self._predict(call.request, call.inputs, call.parameters))
+            return self._infer_reply(call, self._predict(call, call.inputs))
         if method == protocol.METHOD_METADATA:
             body = v2.metadata_response(self.model_id, self.format, self.model.metadata())
         elif getattr(self.model, "handles_methods", False):
@@ -256,14 +256,15 @@ class Worker:
         except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request, raw_inputs)
-        return batching.InferCall(request_id, request, inputs, parameters, raw)
+        return batching.InferCall(request_id, request, inputs, parameters, raw,
+                                  [output.name for output in request.outputs])
 
-    def _predict(self, request: pb.ModelInferRequest, inputs: dict, parameters: dict):
-        return self.model.predict(inputs, parameters, [o.name for o in request.outputs])
+    def _predict(self, call: batching.InferCall, inputs: dict):
+        return self.model.predict(inputs, call.parameters, call.requested)
 
     @staticmethod
     def _infer_reply(call: batching.InferCall, outputs) -> list:
-        body, buffers = v2.encode_response_parts(call.request, outputs, call.raw)
+        body, buffers = v2.encode_response_parts(call.request, outputs, call.raw, call.requested)
         return [protocol.reply(call.request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
 
     def _decoded_for_batch(self, header: dict, payloads: list) -> batching.InferCall | None:
@@ -280,8 +281,8 @@ class Worker:
         shares = None
         if len(group) > 1:
             try:
-                first = group[0]
-                outputs = self._predict(first.request, batching.stacked_inputs(group), first.parameters)
+                # Alike calls: the first one's parameters and requested outputs are everyone's.
+                outputs = self._predict(group[0], batching.stacked_inputs(group))
                 shares = batching.split_outputs(group, outputs)
             except Exception as error:
                 log.info("a batch of %d calls failed (%s: %s); running them one by one",
@@ -293,7 +294,7 @@ class Worker:
     def _reply_to(self, call: batching.InferCall, outputs: dict | None) -> list:
         """The reply to one call: with its share of a batch's outputs, else after its own predict."""
         if outputs is None:
-            outputs = self._predict(call.request, call.inputs, call.parameters)
+            outputs = self._predict(call, call.inputs)
         return self._infer_reply(call, outputs)
 
 

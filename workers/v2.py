@@ -40,10 +40,8 @@ DATATYPES: dict[str, tuple[np.dtype, str | None]] = {
     "BYTES": (np.dtype(object), "bytes_contents"),
 }
 
-# numpy dtype -> datatype, for outputs
-_DATATYPE_OF = {dtype.str: name for name, (dtype, _) in DATATYPES.items()
-                if name not in ("BF16", "BYTES")}
-_DATATYPE_OF[np.dtype(np.bool_).str] = "BOOL"
+# numpy dtype -> datatype, for outputs (keyed by the dtype itself: dtype.str builds a string each time)
+_DATATYPE_OF = {dtype: name for name, (dtype, _) in DATATYPES.items() if name not in ("BF16", "BYTES")}
 
 # Refuse absurd shapes before allocating anything: 2**40 elements is 4 TiB of FP32.
 MAX_ELEMENTS = 1 << 40
@@ -66,20 +64,23 @@ def decode_request(request: pb.ModelInferRequest, raw_inputs: list | None = None
     received bytes; None reads them from the parsed request.
     """
     raw = list(request.raw_input_contents) if raw_inputs is None else raw_inputs
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs")
+    tensors = request.inputs  # each read of a protobuf field builds a new Python object: read once
+    if raw and len(raw) != len(tensors):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(tensors)} inputs")
     inputs: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name in inputs:
-            raise InvalidInput(f"input {tensor.name!r} appears twice")
+    for index, tensor in enumerate(tensors):
+        name = tensor.name
+        if name in inputs:
+            raise InvalidInput(f"input {name!r} appears twice")
         shape = _shape(tensor)
-        count = _element_count(tensor.name, shape)
+        count = _element_count(name, shape)
         if raw:
             array = _from_raw(tensor, raw[index], count)
         else:
             array = _from_contents(tensor, count)
-        inputs[tensor.name] = array.reshape(shape)
-    return inputs, parameters_of(request.parameters), bool(raw)
+        inputs[name] = array.reshape(shape)
+    parameters = request.parameters
+    return inputs, parameters_of(parameters) if parameters else {}, bool(raw)
 
 
 def parameters_of(parameters) -> dict[str, Any]:
@@ -116,15 +117,16 @@ def _element_count(name: str, shape: tuple[int, ...]) -> int:
 
 
 def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
-    dtype, _ = _datatype(tensor.name, tensor.datatype)
-    if tensor.datatype == "BYTES":
+    datatype = tensor.datatype
+    dtype, _ = _datatype(tensor.name, datatype)
+    if datatype == "BYTES":
         return _bytes_elements(tensor.name, data, count)
     expected = count * dtype.itemsize
     if len(data) != expected:
         raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} of {tensor.datatype} "
                            f"needs {expected} bytes, raw_input_contents has {len(data)}")
     array = np.frombuffer(data, dtype=dtype)
-    if tensor.datatype == "BF16":
+    if datatype == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
     return array
 
@@ -150,14 +152,15 @@ def _bytes_elements(name: str, data: bytes, count: int) -> np.ndarray:
 
 
 def _from_contents(tensor, count: int) -> np.ndarray:
-    dtype, field = _datatype(tensor.name, tensor.datatype)
+    datatype = tensor.datatype
+    dtype, field = _datatype(tensor.name, datatype)
     if field is None:
-        raise InvalidInput(f"input {tensor.name!r}: {tensor.datatype} can only be sent in raw_input_contents")
+        raise InvalidInput(f"input {tensor.name!r}: {datatype} can only be sent in raw_input_contents")
     values = getattr(tensor.contents, field)
     if len(values) != count:
         raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} needs {count} values "
                            f"in contents.{field}, got {len(values)}")
-    if tensor.datatype == "BYTES":
+    if datatype == "BYTES":
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array
@@ -181,9 +184,11 @@ def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw:
     return body + b"".join(wire.bytes_field_header(RAW_OUTPUT_FIELD, len(b)) + bytes(b) for b in buffers)
 
 
-def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool
-                          ) -> tuple[bytes, list]:
+def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool,
+                          requested: list[str] | None = None) -> tuple[bytes, list]:
     """-> (the response without raw_output_contents, the raw output buffers).
+
+    requested: the request's output names when the caller has read them already.
 
     The buffers view the output arrays (no copy) and travel as separate ZeroMQ
     frames; appending each as field RAW_OUTPUT_FIELD to the body gives the
@@ -191,7 +196,9 @@ def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any]
     """
     if not isinstance(outputs, dict):
         raise BadModelOutput(f"predict() returned {type(outputs).__name__}, expected a dict of arrays")
-    wanted = [o.name for o in request.outputs] or list(outputs)
+    if requested is None:
+        requested = [output.name for output in request.outputs]
+    wanted = requested or list(outputs)
     missing = [name for name in wanted if name not in outputs]
     if missing:
         raise InvalidInput(f"requested output {missing[0]!r} is not produced by the model "
@@ -202,8 +209,9 @@ def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any]
     response = pb.ModelInferResponse(model_name=request.model_name,
                                      model_version=request.model_version, id=request.id)
     buffers = []
+    outputs_field = response.outputs  # read once: each read builds a new Python object
     for name, datatype, array in tensors:
-        out = response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        out = outputs_field.add(name=name, datatype=datatype, shape=array.shape)
         if raw:
             buffers.append(_to_raw(datatype, array))
         else:
@@ -213,12 +221,16 @@ def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any]
 
 def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
     array = np.asarray(value)
-    if array.dtype.kind in "OSU":
+    dtype = array.dtype
+    datatype = _DATATYPE_OF.get(dtype)
+    if datatype is not None:
+        return datatype, array
+    if dtype.kind in "OSU":
         return "BYTES", array
     # Big-endian arrays are named by their little-endian twin; _to_raw converts.
-    datatype = _DATATYPE_OF.get(array.dtype.str) or _DATATYPE_OF.get(array.dtype.newbyteorder("<").str)
+    datatype = _DATATYPE_OF.get(dtype.newbyteorder("<"))
     if datatype is None:
-        raise BadModelOutput(f"output {name!r} has dtype {array.dtype}, which V2 cannot carry")
+        raise BadModelOutput(f"output {name!r} has dtype {dtype}, which V2 cannot carry")
     return datatype, array
 
 
