@@ -26,10 +26,14 @@ does). All memory figures are USS read from outside with psutil
    1 MiB) and, with --peer mlserver, MLServer 1.7.1; ratios against issue 3's
    targets. --skip-dataplane leaves it out, --dataplane-only runs only it.
 
+--instructions-only runs scripts/bench_instructions.py instead: instructions
+per ModelInfer call under callgrind, which moves only when the code does.
+
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
 usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only] [--peer mlserver] [--rounds N]
+       scripts/bench --instructions-only [--json PATH]
 """
 from __future__ import annotations
 
@@ -232,6 +236,8 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--skip-dataplane", action="store_true", help="leave out the data-plane benchmark")
     parser.add_argument("--dataplane-only", action="store_true", help="run only the data-plane benchmark")
+    parser.add_argument("--instructions-only", action="store_true", help="run only the instruction count "
+                        "per call under callgrind (scripts/bench_instructions.py)")
     parser.add_argument("--rounds", type=int, default=1, help="data plane: repeat its interleaved sequence "
                         "and report each point's median round (default 1)")
     parser.add_argument("--peer", choices=["mlserver"], help="data plane: also measure MLServer 1.7.1 "
@@ -253,6 +259,8 @@ def main() -> int:
         ok = run_dataplane(args, figures)
         write_json(args, info, figures)
         return 0 if ok else 1
+    if args.instructions_only:
+        return run_instructions(args, info)
     rt = harness.Runtime(WORKERS_WARM=str(WARM))
     try:
         progress("starting the runtime")
@@ -290,6 +298,21 @@ def run_dataplane(args, figures: dict) -> bool:
         return False
     bench_dataplane.print_report(figures["dataplane"])
     return ok
+
+
+def run_instructions(args, info: dict) -> int:
+    """scripts/bench_instructions.py: instructions per call, which timings on this machine cannot show."""
+    import bench_instructions  # scripts/bench_instructions.py, beside this file
+
+    try:
+        figures = {"instructions": bench_instructions.run(calls=1000)}
+    except Exception as error:
+        traceback.print_exc()
+        print(f"\ninstructions: ERROR {error!r}")
+        return 1
+    bench_instructions.print_report(figures["instructions"])
+    write_json(args, info, figures)
+    return 0
 
 
 def write_json(args, info: dict, figures: dict) -> None:

@@ -120,7 +120,9 @@ def allocating_model(alloc_mib: int, sleep_s: float = 0.0) -> str:
 
 
 class Runtime:
-    def __init__(self, **env: str):
+    def __init__(self, command_prefix: tuple[str, ...] = (), **env: str):
+        """env: settings for the runtime; command_prefix: runs it under a tool (valgrind, say)."""
+        self.command_prefix = command_prefix
         self.root = tempfile.mkdtemp(prefix="mr-")
         self.models = os.path.join(self.root, "models")
         self.pvc = os.path.join(self.root, "pvc")
@@ -146,8 +148,8 @@ class Runtime:
 
     def start(self, wait_ready: bool = True) -> "Runtime":
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", "runtime"], cwd=REPO, env=self.env,
-                                        stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([*self.command_prefix, sys.executable, "-m", "runtime"], cwd=REPO,
+                                        env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
             ("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)])
         self.mesh = mm_grpc.ModelRuntimeStub(self.channel)
