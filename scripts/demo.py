@@ -22,28 +22,23 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 
-import grpc
 import numpy as np
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+sys.path[:0] = [REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")]
 
+import harness  # noqa: E402  (tests/harness.py: the runtime as a child process)
 import make_examples  # noqa: E402  (scripts/make_examples.py)
+from harness import MiB, alive, mesh_headers  # noqa: E402
 from protos import grpc_predict_v2_pb2 as v2  # noqa: E402
-from protos import grpc_predict_v2_pb2_grpc as v2_grpc  # noqa: E402
 from protos import model_runtime_pb2 as mm  # noqa: E402
-from protos import model_runtime_pb2_grpc as mm_grpc  # noqa: E402
 
-MiB = 1024 * 1024
 WARM = 1           # one spare is enough for loads one at a time, and keeps the table short
-READY_TIMEOUT = 60
 CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents",
             "INT32": "int32_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
 
@@ -52,77 +47,27 @@ def say(section: str, text: str = "") -> None:
     print(f"{section:<9} {text}".rstrip(), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def mib(size: float) -> str:
     return f"{size / MiB:.1f} MiB"
 
 
 # -- the runtime as a child process -------------------------------------------------------
 
-class Runtime:
-    """`python -m runtime` in private temp folders, with gRPC stubs and process helpers."""
+class DemoRuntime(harness.Runtime):
+    """The tests' runtime (tests/harness.py: `python -m runtime` in private temp folders, with gRPC
+    stubs), reporting what it finds instead of asserting: the demo prints it."""
 
-    def __init__(self, root: str):
-        self.models = os.path.join(root, "models")
-        self.port = free_port()
-        self.log_path = os.path.join(root, "runtime.log")
-        self.env = {**os.environ, "RUNTIME_PORT": str(self.port), "ROOT_MODEL_DIR": self.models,
-                    "RUNTIME_DIR": os.path.join(root, "run"), "PVC_MOUNTS_DIR": os.path.join(root, "pvc"),
-                    "WORKERS_WARM": str(WARM), "METRICS_PORT": "0"}
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "runtime"], cwd=REPO, env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.mesh = mm_grpc.ModelRuntimeStub(self.channel)
-        self.infer = v2_grpc.GRPCInferenceServiceStub(self.channel)
-
-    def wait_ready(self) -> mm.RuntimeStatusResponse:
-        """Polls runtimeStatus, as model-mesh does, until READY."""
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the runtime exited with code {self.process.returncode}")
-            try:
-                answer = self.mesh.runtimeStatus(mm.RuntimeStatusRequest(), timeout=5)
-                if answer.status == mm.RuntimeStatusResponse.READY:
-                    return answer
-            except grpc.RpcError as error:
-                if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
-            time.sleep(0.1)
-        raise RuntimeError(f"the runtime was not READY after {READY_TIMEOUT} s")
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+    def __init__(self):
+        super().__init__(WORKERS_WARM=str(WARM))
 
     def titled(self, words: str) -> list[psutil.Process]:
-        return [p for p in self.tree() if words in _title(p)]
-
-    def settled_uss(self) -> int:
-        """The tree's USS once exactly WARM idle spares run (the pool refills after each load)."""
-        deadline = time.monotonic() + 10
-        while len(self.titled("worker spare")) != WARM and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # the new spare's hello and first allocations
-        return sum(_uss(p) for p in self.tree())
+        return [p for p in alive(harness.tree(self.pid)) if words in _title(p)]
 
     def stop(self) -> tuple[int, float]:
         """SIGTERM and wait; -> (processes still alive 10 s later, seconds the stop took)."""
         if self.process is None:
             return 0, 0.0
-        processes = self.tree()
+        processes = harness.tree(self.pid) if self.process.poll() is None else []
         started = time.monotonic()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -133,14 +78,11 @@ class Runtime:
                 self.process.wait()
         took = time.monotonic() - started
         self.channel.close()
+        self._log.close()
         deadline = time.monotonic() + 10
-        while _alive(processes) and time.monotonic() < deadline:
+        while alive(processes) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return len(_alive(processes)), took
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self.log_path, errors="replace") as log:
-            return "".join(log.readlines()[-lines:])
+        return len(alive(processes)), took
 
 
 def _title(process: psutil.Process) -> str:
@@ -157,25 +99,9 @@ def _uss(process: psutil.Process) -> int:
         return 0
 
 
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    """Those still running (a zombie holds no memory: it counts as gone)."""
-    running = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                running.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return running
-
-
 # -- model-mesh's calls ---------------------------------------------------------------------
 
-def mesh_headers(model_id: str) -> list[tuple[str, object]]:
-    return [("mm-model-id", model_id), ("mm-model-id-bin", model_id.encode())]
-
-
-def load(rt: Runtime, example: make_examples.Example) -> tuple[int, float]:
+def load(rt: DemoRuntime, example: make_examples.Example) -> tuple[int, float]:
     """loadModel as model-mesh sends it; -> (size reported, milliseconds)."""
     request = mm.LoadModelRequest(modelId=example.name, modelPath=os.path.join(rt.models, example.name),
                                   modelKey=json.dumps({"model_type": {"name": example.format}}))
@@ -184,7 +110,7 @@ def load(rt: Runtime, example: make_examples.Example) -> tuple[int, float]:
     return size, (time.monotonic() - started) * 1000
 
 
-def infer(rt: Runtime, example: make_examples.Example) -> dict[str, np.ndarray]:
+def infer(rt: DemoRuntime, example: make_examples.Example) -> dict[str, np.ndarray]:
     sample = make_examples.SAMPLE
     request = v2.ModelInferRequest(model_name=example.name)
     tensor = request.inputs.add(name=make_examples.INPUT_NAME, datatype="FP32", shape=sample.shape)
@@ -206,13 +132,13 @@ def shown(array) -> str:
 
 # -- the demo ------------------------------------------------------------------------------------
 
-def write_examples(rt: Runtime) -> list[make_examples.Example]:
+def write_examples(rt: DemoRuntime) -> list[make_examples.Example]:
     written = make_examples.make(rt.models, log=lambda line: say("examples", line))
     say("examples", f"wrote {', '.join(e.name for e in written)} into {rt.models}")
     return written
 
 
-def load_all(rt: Runtime, examples) -> dict[str, tuple[int, float]]:
+def load_all(rt: DemoRuntime, examples) -> dict[str, tuple[int, float]]:
     say("load", "loadModel for each, modelKey {\"model_type\": {\"name\": FORMAT}}, as model-mesh sends it")
     loaded = {}
     for example in examples:
@@ -222,7 +148,7 @@ def load_all(rt: Runtime, examples) -> dict[str, tuple[int, float]]:
     return loaded
 
 
-def infer_all(rt: Runtime, examples) -> None:
+def infer_all(rt: DemoRuntime, examples) -> None:
     say("infer", f"ModelInfer, input {make_examples.INPUT_NAME!r} FP32 {shown(make_examples.SAMPLE)}"
                  " (a setosa, a virginica)")
     for example in examples:
@@ -230,7 +156,7 @@ def infer_all(rt: Runtime, examples) -> None:
         say("", f"  {example.name:<14} {answers}")
 
 
-def worker_table(rt: Runtime, loaded: dict[str, tuple[int, float]]) -> int:
+def worker_table(rt: DemoRuntime, loaded: dict[str, tuple[int, float]]) -> int:
     """Prints the table; -> the workers' USS added up."""
     say("workers", f"{'pid':>7}  {'model':<14} {'size reported':>14} {'USS measured':>13} {'load ms':>8}")
     total = 0
@@ -246,37 +172,35 @@ def worker_table(rt: Runtime, loaded: dict[str, tuple[int, float]]) -> int:
     return total
 
 
-def unload_all(rt: Runtime, loaded) -> None:
+def unload_all(rt: DemoRuntime, loaded) -> None:
     workers = [w for model_id in loaded for w in rt.titled(f"model={model_id}")]
     started = time.monotonic()
     for model_id in loaded:
         rt.mesh.unloadModel(mm.UnloadModelRequest(modelId=model_id), timeout=60)
-    gone = "every worker is gone" if not _alive(workers) else f"{len(_alive(workers))} workers still alive"
+    gone = "every worker is gone" if not alive(workers) else f"{len(alive(workers))} workers still alive"
     say("unload", f"unloadModel for each: {time.monotonic() - started:.2f} s in all; {gone}")
 
 
-def run(rt: Runtime) -> None:
+def run(rt: DemoRuntime) -> None:
     examples = write_examples(rt)
     started = time.monotonic()
-    rt.start()
-    status = rt.wait_ready()
+    status = rt.start().status
     say("runtime", f"python -m runtime on port {rt.port}: READY after {time.monotonic() - started:.1f} s "
                    f"(capacity {status.capacityInBytes / 2**30:.1f} GiB, {WARM} warm spare)")
-    before = rt.settled_uss()
+    before = rt.settled_uss(WARM)
     loaded = load_all(rt, examples)
     infer_all(rt, examples)
     workers_uss = worker_table(rt, loaded)
-    with_models = rt.settled_uss()
+    with_models = rt.settled_uss(WARM)
     unload_all(rt, loaded)
-    after = rt.settled_uss()
+    after = rt.settled_uss(WARM)
     print(f"memory returned: {mib(with_models - after)} (the runtime's processes: {mib(before)} before "
           f"loading, {mib(with_models)} with the models, whose workers hold {mib(workers_uss)}, "
           f"{mib(after)} after unloading)", flush=True)
 
 
 def main() -> int:
-    root = tempfile.mkdtemp(prefix="mesh-demo-")
-    rt = Runtime(root)
+    rt = DemoRuntime()
     print("mesh-runtime demo: each model in its own worker process, sizes measured, memory back on unload\n")
     ok = False
     try:
@@ -285,14 +209,14 @@ def main() -> int:
     except Exception as error:
         print(f"\ndemo failed: {type(error).__name__}: {error}", file=sys.stderr)
         if os.path.exists(rt.log_path):
-            print(f"the runtime's log ends with:\n{rt.log_tail()}", file=sys.stderr)
+            print(f"the runtime's log ends with:\n{rt.log()[-3000:]}", file=sys.stderr)
     finally:
         left, took = rt.stop()
         if left:
             say("stopped", f"SIGTERM: {left} processes still alive 10 s after the runtime exited")
         elif rt.process is not None:
             say("stopped", f"SIGTERM: the runtime and all its processes exited in {took:.1f} s; no process left")
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(rt.root, ignore_errors=True)
     return 0 if ok and not left else 1
 
 
