@@ -45,8 +45,9 @@ class InferCall(NamedTuple):
 
 def _likeness(call: InferCall) -> tuple:
     """Calls with equal likeness may share one predict."""
-    inputs = tuple((name, array.dtype.str, array.shape[1:]) for name, array in call.inputs.items())
-    return inputs, tuple(call.requested), repr(sorted(call.parameters.items()))
+    inputs = tuple((name, array.dtype, array.shape[1:]) for name, array in call.inputs.items())
+    parameters = repr(sorted(call.parameters.items())) if call.parameters else ""
+    return inputs, tuple(call.requested), parameters
 
 
 def groups(calls: list[InferCall], batch_max: int) -> list[list[InferCall]]:
@@ -77,14 +78,14 @@ def split_outputs(group: list[InferCall], outputs: Any) -> list[dict[str, np.nda
     """
     if not isinstance(outputs, dict):
         raise ValueError(f"predict() returned {type(outputs).__name__}, not a dict")
-    total = sum(call.rows for call in group)
+    rows = [call.rows for call in group]
+    total = sum(rows)
     arrays = {name: np.asarray(value) for name, value in outputs.items()}
     for name, array in arrays.items():
         if array.ndim == 0 or array.shape[0] != total:
             raise ValueError(f"output {name!r} has shape {array.shape}, not one row per input row ({total})")
     shares, start = [], 0
-    for call in group:
-        end = start + call.rows
-        shares.append({name: array[start:end] for name, array in arrays.items()})
-        start = end
+    for count in rows:
+        shares.append({name: array[start:start + count] for name, array in arrays.items()})
+        start += count
     return shares
