@@ -283,10 +283,15 @@ def nghttp_check(target: Target) -> None:
                           f"{message[:1]} (exit {run.returncode})")
 
 
+def h2load_command(target: Target, concurrency: int, *limit: str) -> list[str]:
+    """h2load sending target's body as gRPC calls on `concurrency` connections; limit: -D TIME or -n CALLS."""
+    return ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", *limit,
+            "-d", target.body_path, "-H", "content-type: application/grpc", "-H", "te: trailers",
+            *sum((["-H", f"{k}: {v}"] for k, v in target.headers), [])]
+
+
 def h2load(target: Target, concurrency: int, seconds: float, log_path: str | None) -> dict:
-    command = ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", "-D", f"{round(seconds * 1000)}ms",
-               "-d", target.body_path, "-H", "content-type: application/grpc", "-H", "te: trailers",
-               *sum((["-H", f"{k}: {v}"] for k, v in target.headers), [])]
+    command = h2load_command(target, concurrency, "-D", f"{round(seconds * 1000)}ms")
     if log_path:
         command += ["--log-file", log_path]
     run = subprocess.run([*command, target.url], capture_output=True, text=True, timeout=seconds + 60)

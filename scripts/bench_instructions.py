@@ -92,9 +92,7 @@ class Counted:
 def h2load_calls(port: int, calls: int, folder: str) -> None:
     target = dataplane.Target("x", dataplane.SMALL, port, dataplane.small_request("echo"),
                               dataplane.mesh_header_lines("echo"), dataplane.expect_anything, None, folder)
-    command = ["h2load", "-c", "16", "-m", "1", "-t", "1", "-n", str(calls), "-d", target.body_path,
-               "-H", "content-type: application/grpc", "-H", "te: trailers",
-               *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []), target.url]
+    command = [*dataplane.h2load_command(target, 16, "-n", str(calls)), target.url]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600).stdout
     if f"{calls} succeeded" not in out:
         raise RuntimeError(f"h2load: not every call succeeded:\n{out[-600:]}")

@@ -41,6 +41,8 @@ import zmq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from workers import protocol  # noqa: E402
+
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MESSAGE_LIMIT = 64 * 1024 * 1024
 
@@ -100,13 +102,14 @@ class Hop(grpc.GenericRpcHandler):
     async def _forward(self, request: bytes, context) -> bytes:
         call_id = next(self._ids).to_bytes(8, "little")
         answered = self._waiting[call_id] = asyncio.get_running_loop().create_future()
-        self._socket.send_multipart([b"child", call_id, request])
+        # mesh-runtime's own frame I/O (workers/protocol.py), so the hop costs what its hop does.
+        protocol.send_frames(self._socket, [b"child", call_id, request], protocol.NOBLOCK)
         self._drain()  # the send may have swallowed the descriptor's edge
         return await answered
 
     def _drain(self) -> None:
-        while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            _, call_id, answer = self._socket.recv_multipart()
+        while protocol.readable(self._socket):
+            _, call_id, answer = protocol.receive_frames(self._socket, copied=3)
             self._waiting.pop(call_id).set_result(answer)
 
 
