@@ -110,7 +110,9 @@ class Hop(grpc.GenericRpcHandler):
     def _drain(self) -> None:
         while protocol.readable(self._socket):
             _, call_id, answer = protocol.receive_frames(self._socket, copied=3)
-            self._waiting.pop(call_id).set_result(answer)
+            answered = self._waiting.pop(call_id)
+            if not answered.done():  # done: grpc cancelled the call (its client went away)
+                answered.set_result(answer)
 
 
 def _hop_child(address: str, answer: bytes, parent: int) -> None:

@@ -1,4 +1,5 @@
 """scripts/canned_server.py, the reference servers of the data-plane benchmark (cases a and a2)."""
+import asyncio
 import os
 import signal
 import subprocess
@@ -59,3 +60,26 @@ def test_hop_child_ends_with_its_server(start_canned, how):
     process.wait(10)
     wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
                what="the hop child to exit")
+
+
+def test_hop_drops_the_answer_to_a_call_its_client_gave_up():
+    """grpc cancels a call whose client went away; its late answer must not break the next ones."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import canned_server
+
+    async def scenario():
+        errors = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        hop = canned_server.Hop(ANSWER)
+        hop.start()
+        try:
+            given_up = asyncio.ensure_future(hop._forward(b"first", None))
+            await asyncio.sleep(0)  # sent; now waiting for the answer
+            given_up.cancel()
+            assert await asyncio.wait_for(hop._forward(b"second", None), 10) == ANSWER
+            await asyncio.sleep(0.2)  # the first answer has come and gone by now
+            assert errors == []
+        finally:
+            hop.stop()
+
+    asyncio.run(scenario())
