@@ -1,6 +1,9 @@
 """The first inference path: routing by header or field 1, forwarding bytes, status codes."""
+import asyncio
+import collections
 import threading
 import time
+import types
 
 import grpc
 import numpy as np
@@ -10,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from harness import MiB, mesh_headers
 from protos import grpc_predict_v2_pb2 as v2
+from runtime.dataplane import ROUTED_HANDLERS_MAX, InferenceService
 
 MODEL = """
     import os
@@ -70,6 +74,26 @@ def test_routed_by_binary_header_with_non_ascii_id(served):
     answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
                                      metadata=mesh_headers(NON_ASCII_ID))
     assert answer.outputs[0].name == "doubled"
+
+
+def test_binary_header_wins_over_the_ascii_one(served):
+    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
+                                     metadata=[("mm-model-id", "ghost"), ("mm-model-id-bin", "served".encode())])
+    assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
+
+
+def test_binary_header_that_is_not_utf8_is_invalid_argument(served):
+    code, details = code_and_details(lambda: served.infer.ModelInfer(
+        request(x=[[1, 2]]), metadata=[("mm-model-id-bin", b"\xff\xfe")]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in details
+
+
+@pytest.mark.parametrize("header", ["mm-model-id", "mm-model-id-bin"])
+def test_too_long_id_in_a_header_is_invalid_argument(served, header):
+    model_id = "m" * 2000  # over modelspec.MAX_MODEL_ID_BYTES, under grpc's header limit
+    code, details = code_and_details(lambda: served.infer.ModelInfer(
+        request(x=[[1, 2]]), metadata=[(header, model_id.encode() if header.endswith("-bin") else model_id)]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "longer" in details
 
 
 def test_routed_by_field_1_without_headers(served):
@@ -189,3 +213,38 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
     thread.join(10)
     assert not thread.is_alive()
     assert outcome[0][0] == grpc.StatusCode.NOT_FOUND
+
+
+class _RecordingSupervisor:
+    """Stands in for the supervisor behind InferenceService: records which model each call was for."""
+
+    metrics = None
+
+    def __init__(self):
+        self.called: list[str] = []
+
+    async def call(self, model_id, method, request, timeout):
+        self.called.append(model_id)
+        return b""
+
+    def is_known(self, model_id):
+        return False
+
+
+def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
+    details = collections.namedtuple("Details", "method invocation_metadata")
+    supervisor = _RecordingSupervisor()
+    service = InferenceService(supervisor, allow_any_method=False)
+    ids = [f"model-{number}" for number in range(ROUTED_HANDLERS_MAX + 10)] + ["model-1", "model-1"]
+
+    context = types.SimpleNamespace(time_remaining=lambda: None)
+
+    async def call_each():
+        for model_id in ids:
+            handler = service.service(details("/inference.GRPCInferenceService/ModelInfer",
+                                              (("mm-model-id", model_id),)))
+            await handler.unary_unary(b"", context)
+            assert len(service._routed) <= ROUTED_HANDLERS_MAX
+
+    asyncio.run(call_each())
+    assert supervisor.called == ids
