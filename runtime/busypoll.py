@@ -21,7 +21,12 @@ import time
 from typing import Callable
 
 
+_sleeping_select = selectors.DefaultSelector.select
+
+
 class BusyPollSelector(selectors.DefaultSelector):
+    """The event loop calls select() on every turn, so its common case stays one check long."""
+
     def __init__(self, poll_seconds: float):
         super().__init__()
         self.poll_seconds = poll_seconds
@@ -32,19 +37,23 @@ class BusyPollSelector(selectors.DefaultSelector):
         self._awaiting = awaiting
 
     def select(self, timeout: float | None = None):
-        if self.poll_seconds <= 0 or (timeout is not None and timeout <= 0) or not self._awaiting():
-            return super().select(timeout)
+        # Timeout 0: the loop has callbacks to run and only collects what is ready.
+        if timeout == 0 or self.poll_seconds <= 0 or not self._awaiting():
+            return _sleeping_select(self, timeout)
+        return self._poll_then_select(timeout)
+
+    def _poll_then_select(self, timeout: float | None):
         started = time.perf_counter()
         give_up = started + (self.poll_seconds if timeout is None else min(self.poll_seconds, timeout))
         while True:
-            events = super().select(0)
+            events = _sleeping_select(self, 0)
             if events:
                 return events
             if time.perf_counter() >= give_up or not self._awaiting():
                 break
             os.sched_yield()
         # What is left of the caller's timeout, however long the polling took.
-        return super().select(None if timeout is None else max(0.0, timeout - (time.perf_counter() - started)))
+        return _sleeping_select(self, None if timeout is None else max(0.0, timeout - (time.perf_counter() - started)))
 
 
 def event_loop_factory(selector: BusyPollSelector) -> Callable[[], asyncio.AbstractEventLoop]:

@@ -46,6 +46,9 @@ def run(settings: Settings) -> int:
     except rundir.RuntimeDirError as error:
         log.error("%s", error)
         return 2
+    if not settings.busy_poll_us:  # asyncio's own selector: no Python layer on each turn of the loop
+        with asyncio.Runner() as runner:
+            return runner.run(serve(settings))
     selector = busypoll.BusyPollSelector(settings.busy_poll_us / 1e6)
     with asyncio.Runner(loop_factory=busypoll.event_loop_factory(selector)) as runner:
         return runner.run(serve(settings, selector))

@@ -89,3 +89,14 @@ def test_event_loop_runs_over_the_selector(pair):
 
     with asyncio.Runner(loop_factory=event_loop_factory(selector)) as runner:
         assert runner.run(read_one()) == b"y"
+
+
+def test_a_turn_with_callbacks_ready_does_not_ask_whether_replies_are_due(pair):
+    """The loop passes timeout 0 when it has callbacks to run: that turn must stay cheap."""
+    def asked():
+        raise AssertionError("asked whether replies are due on a turn that cannot wait")
+
+    selector = BusyPollSelector(WINDOW)
+    selector.register(pair[0], 1)
+    selector.poll_while(asked)
+    assert selector.select(0) == []

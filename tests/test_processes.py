@@ -95,3 +95,10 @@ def test_idle_front_burns_no_cpu_after_serving():
         time.sleep(3.0)
         burnt = sum(front.cpu_times()[:2]) - before
         assert burnt < 0.15, f"the idle front used {burnt:.2f} s of CPU in 3 s"
+
+
+def test_front_without_busy_polling_serves():
+    """BUSY_POLL_US=0 runs the front on asyncio's own selector (runtime/server.py run())."""
+    with Runtime(BUSY_POLL_US="0", WORKERS_WARM="1") as rt:
+        rt.load("no-polling", rt.model_dir("no-polling"))
+        assert rt.infer_fp32("no-polling", [1.0, 2.0]).outputs
