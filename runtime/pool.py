@@ -228,6 +228,7 @@ class WorkerPool:
             "heartbeat_timeout": WORKER_SILENCE_LIMIT,
             "threads": self.settings.worker_threads,
             "batch_max": self.settings.worker_batch_max,
+            "sched_batch": self.settings.worker_sched_batch,
             "runtime_dir": self.settings.runtime_dir,
             "log_level": self.settings.log_level,
             "log_format": self.settings.log_format,

@@ -181,6 +181,9 @@ VARIABLES: tuple[Variable, ...] = (
              "the model heals (0: off)", _at_least(0)),
     Variable("SHUTDOWN_GRACE_MS", _int, 10000,
              "on SIGTERM or SIGINT, how long calls under way may take to finish", _at_least(0)),
+    Variable("WORKER_SCHED_BATCH", _bool, True,
+             "workers run under the kernel's SCHED_BATCH policy: a worker woken by a message does not "
+             "preempt the front's event loop, and keeps its full share of the CPU"),
     Variable("BUSY_POLL_US", _int, 1000,
              "while workers owe the front replies, its event loop polls this long before it sleeps: "
              "waking a halted CPU costs more than a small call (0: always sleep)", _at_least(0)),

@@ -102,3 +102,34 @@ def test_front_without_busy_polling_serves():
     with Runtime(BUSY_POLL_US="0", WORKERS_WARM="1") as rt:
         rt.load("no-polling", rt.model_dir("no-polling"))
         assert rt.infer_fp32("no-polling", [1.0, 2.0]).outputs
+
+
+def _policies(process: psutil.Process) -> set[int]:
+    """The scheduling policy of every thread of `process`."""
+    return {os.sched_getscheduler(thread.id) for thread in process.threads()}
+
+
+def test_workers_and_their_threads_run_as_batch_work_and_the_front_does_not():
+    with Runtime(WORKERS_WARM="1") as rt:
+        rt.load("batch", rt.model_dir("batch"))
+        assert rt.infer_fp32("batch", [1.0]).outputs
+        worker = rt.worker_for("batch")
+        assert len(worker.threads()) > 1  # ZeroMQ's threads inherit the policy too
+        assert _policies(worker) == {os.SCHED_BATCH}
+        assert _policies(psutil.Process(rt.pid)) == {os.SCHED_OTHER}
+
+
+def test_worker_batch_scheduling_can_be_turned_off():
+    with Runtime(WORKERS_WARM="1", WORKER_SCHED_BATCH="false") as rt:
+        rt.load("normal", rt.model_dir("normal"))
+        assert _policies(rt.worker_for("normal")) == {os.SCHED_OTHER}
+
+
+def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypatch):
+    from workers import lifeline
+
+    def refuse(pid, policy, param):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    assert lifeline.schedule_as_batch_work() is False

@@ -1,8 +1,17 @@
-"""Ties a process's life to its parent's, and says who dies first when memory runs out.
+"""Ties a process's life to its parent's; says who dies first when memory runs out,
+and who runs first when the CPU is short.
 
 No orphans even when the front is SIGKILLed: each process asks Linux for a
 signal when its parent dies. And the kernel's OOM killer should pick a worker
 (one model lost, and healed) rather than the front (every model lost).
+
+The front's event loop is one thread that every call of every model goes
+through. By default Linux lets a thread that wakes up (a worker, or its
+ZeroMQ I/O thread, when a message arrives) preempt the thread running on its
+CPU, so on a busy machine each message could push the front off the CPU in
+the middle of a turn. Workers ask for SCHED_BATCH, which drops that wake-up
+preemption and nothing else: same nice level, same share of the CPU, and an
+idle CPU still takes a waking worker at once.
 
 Linux delivers the parent-death signal when the parent *thread* that forked us
 exits; the fork server forks from its only thread and the front starts the
@@ -42,6 +51,18 @@ def set_oom_score_adj(value: int) -> bool:
     try:
         with open("/proc/self/oom_score_adj", "w") as adj:
             adj.write(str(value))
+        return True
+    except OSError:
+        return False
+
+
+def schedule_as_batch_work() -> bool:
+    """SCHED_BATCH for this process and the threads it starts from now on; False if refused.
+
+    Needs no privilege (the static priority stays 0); a seccomp profile may still forbid it.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         return True
     except OSError:
         return False

@@ -7,6 +7,7 @@ costs nothing in a worker.
 """
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any
 
@@ -22,6 +23,10 @@ def run(config: dict[str, Any]) -> None:
     setproctitle("mesh-runtime worker spare")
     logsetup.setup("worker", config["log_level"], config["log_format"])
     lifeline.dump_stacks_on_sigusr1(config["runtime_dir"])
+    # Before ZeroMQ starts its I/O thread, which inherits the policy.
+    if config["sched_batch"] and not lifeline.schedule_as_batch_work():
+        logging.getLogger("mesh.worker").warning(
+            "the kernel refused SCHED_BATCH (WORKER_SCHED_BATCH); this worker may preempt the front")
     from workers.loop import Worker
     worker = Worker(config)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
