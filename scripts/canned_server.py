@@ -118,6 +118,7 @@ class Hop(grpc.GenericRpcHandler):
 def _hop_child(address: str, answer: bytes, parent: int) -> None:
     from workers import lifeline
     lifeline.die_with_parent(parent)
+    lifeline.schedule_as_batch_work()  # as mesh-runtime's workers are (WORKER_SCHED_BATCH)
     socket = zmq.Context().socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, b"child")
     socket.connect(address)

@@ -56,6 +56,7 @@ def test_hop_child_ends_with_its_server(start_canned, how):
     process, port = start_canned("--hop")
     assert infer(port, b"x") == ANSWER
     (child,) = psutil.Process(process.pid).children()
+    assert os.sched_getscheduler(child.pid) == os.SCHED_BATCH  # scheduled as mesh-runtime's workers are
     process.send_signal(how)
     process.wait(10)
     wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
