@@ -53,7 +53,8 @@ class BusyPollSelector(selectors.DefaultSelector):
                 break
             os.sched_yield()
         # What is left of the caller's timeout, however long the polling took.
-        return _sleeping_select(self, None if timeout is None else max(0.0, timeout - (time.perf_counter() - started)))
+        left = None if timeout is None else max(0.0, timeout - (time.perf_counter() - started))
+        return _sleeping_select(self, left)
 
 
 def event_loop_factory(selector: BusyPollSelector) -> Callable[[], asyncio.AbstractEventLoop]:

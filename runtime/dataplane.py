@@ -9,7 +9,7 @@ The model id comes from the `mm-model-id-bin` header (UTF-8), else
 `mm-model-id`, else field 1 of the request (where model-mesh injects it).
 The headers are read in `service()`, from the metadata grpc builds once to
 look the method up: `context.invocation_metadata()` builds it again, and
-that cost an echo call a twentieth of the front's instructions (callgrind).
+that cost about 4 % of the front's instructions per echo call (callgrind).
 
 With ALLOW_ANY_METHOD, any other unary method is forwarded as bytes too; the
 worker hands it to the model's handle(method, request_bytes).
@@ -109,7 +109,8 @@ class InferenceService(grpc.GenericRpcHandler):
         if handler is None:
             if len(self._routed) >= ROUTED_HANDLERS_MAX:
                 self._routed.clear()
-            handler = grpc.unary_unary_rpc_method_handler(functools.partial(InferenceService._forward, self, *forwarded, header_id))
+            forward = functools.partial(InferenceService._forward, self, *forwarded, header_id)
+            handler = grpc.unary_unary_rpc_method_handler(forward)
             if method in self._forwarded:
                 self._routed[key] = handler
         return handler
