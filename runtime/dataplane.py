@@ -95,11 +95,12 @@ class InferenceService(grpc.GenericRpcHandler):
     def service(self, handler_call_details):
         method = handler_call_details.method
         forwarded = self._forwarded.get(method)
-        if forwarded is None:
+        kept = forwarded is not None  # handlers for custom methods are not kept: clients choose those names
+        if not kept:
             handler = self._handlers.get(method)
             if handler is not None or not self.allow_any_method or method.startswith(NEVER_FORWARDED):
                 return handler
-            forwarded = self._forwarded_as(method.lstrip("/"))  # not kept: clients choose these names
+            forwarded = self._forwarded_as(method.lstrip("/"))
         try:
             header_id = model_id_in_headers(handler_call_details.invocation_metadata)
         except status.RpcError as error:
@@ -107,11 +108,11 @@ class InferenceService(grpc.GenericRpcHandler):
         key = (method, header_id)
         handler = self._routed.get(key)
         if handler is None:
-            if len(self._routed) >= ROUTED_HANDLERS_MAX:
-                self._routed.clear()
             forward = functools.partial(InferenceService._forward, self, *forwarded, header_id)
             handler = grpc.unary_unary_rpc_method_handler(forward)
-            if method in self._forwarded:
+            if kept:
+                if len(self._routed) >= ROUTED_HANDLERS_MAX:
+                    self._routed.clear()
                 self._routed[key] = handler
         return handler
 
