@@ -8,6 +8,7 @@ until it is ready runtimeStatus says STARTING and health says NOT_SERVING.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -93,26 +94,55 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
     return server
 
 
+async def start_grpc_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server | None:
+    """Builds, binds and starts the server; None, logged, if it cannot listen."""
+    with grpc_threads_as_batch_work(settings):
+        server = build_server(settings, supervisor, health_servicer)
+        try:
+            server.add_insecure_port(f"[::]:{settings.runtime_port}")
+            if settings.runtime_socket_path:
+                server.add_insecure_port(f"unix:{settings.runtime_socket_path}")
+        except RuntimeError as error:
+            log.error("cannot listen on port %d: %s", settings.runtime_port, error)
+            return None
+        await server.start()
+    return server
+
+
+@contextlib.contextmanager
+def grpc_threads_as_batch_work(settings: Settings):
+    """grpc's own threads, started inside this block, run under SCHED_BATCH.
+
+    The timer, the completion-queue poller and the event engine's threads wake
+    on every call. As SCHED_OTHER each wake-up may preempt the event loop in
+    the middle of a turn (at c=16 most of the loop's context switches); as
+    SCHED_BATCH they wait for its time slice to end, or take an idle CPU.
+    The event loop's own thread and ZeroMQ's keep their policy.
+    """
+    if not settings.grpc_threads_sched_batch:
+        yield
+        return
+    with lifeline.threads_started_here_run_as_batch_work() as batch:
+        if not batch:
+            log.warning("the kernel refused SCHED_BATCH (GRPC_THREADS_SCHED_BATCH); grpc's threads may "
+                        "preempt the event loop")
+        yield
+
+
 async def serve(settings: Settings, selector: busypoll.BusyPollSelector | None = None) -> int:
     supervisor = Supervisor(settings, Metrics())
     if selector is not None:
         selector.poll_while(supervisor.pool.channel.replies_due_soon)
     health_servicer = health.aio.HealthServicer()
-    server = build_server(settings, supervisor, health_servicer)
-    try:
-        server.add_insecure_port(f"[::]:{settings.runtime_port}")
-        if settings.runtime_socket_path:
-            server.add_insecure_port(f"unix:{settings.runtime_socket_path}")
-    except RuntimeError as error:
-        log.error("cannot listen on port %d: %s", settings.runtime_port, error)
-        return 2
     if settings.metrics_port:
         try:
             supervisor.metrics.serve(settings.metrics_port, supervisor)
         except OSError as error:
             log.error("cannot serve metrics on METRICS_PORT=%d: %s", settings.metrics_port, error)
             return 2
-    await server.start()
+    server = await start_grpc_server(settings, supervisor, health_servicer)
+    if server is None:
+        return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info("mesh-runtime %s listening on port %d%s", __version__, settings.runtime_port,
              f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "")

@@ -184,6 +184,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("WORKER_SCHED_BATCH", _bool, True,
              "workers run under the kernel's SCHED_BATCH policy: a worker woken by a message does not "
              "preempt the front's event loop, and keeps its full share of the CPU"),
+    Variable("GRPC_THREADS_SCHED_BATCH", _bool, True,
+             "the front's grpc threads (poller, event engine, timer) run under SCHED_BATCH: woken on "
+             "each call, they do not preempt the front's event loop; the loop itself is unchanged"),
     Variable("BUSY_POLL_US", _int, 1000,
              "while workers owe the front replies, its event loop polls this long before it sleeps: "
              "waking a halted CPU costs more than a small call (0: always sleep)", _at_least(0)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -41,7 +42,7 @@ import zmq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from workers import protocol  # noqa: E402
+from workers import lifeline, protocol  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -116,7 +117,6 @@ class Hop(grpc.GenericRpcHandler):
 
 
 def _hop_child(address: str, answer: bytes, parent: int) -> None:
-    from workers import lifeline
     lifeline.die_with_parent(parent)
     lifeline.schedule_as_batch_work()  # as mesh-runtime's workers are (WORKER_SCHED_BATCH)
     socket = zmq.Context().socket(zmq.DEALER)
@@ -132,12 +132,14 @@ async def serve(port: int, answer: bytes, hop: bool = False) -> None:
     handler = Hop(answer) if hop else Canned(answer)  # forks: before grpc starts its threads
     if hop:
         handler.start()
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
-                                      ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                                      ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers([handler])
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+    # (a2) schedules grpc's threads as mesh-runtime does (GRPC_THREADS_SCHED_BATCH); (a) stays bare.
+    with lifeline.threads_started_here_run_as_batch_work() if hop else contextlib.nullcontext():
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
+                                          ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                                          ("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers([handler])
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
     print(f"ready {bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -45,6 +45,9 @@ def infer(port: int, body: bytes) -> bytes:
 def test_answers_every_call_with_the_fixed_bytes(start_canned, options):
     process, port = start_canned(*options)
     assert [infer(port, bytes([n]) * n) for n in (0, 1, 100)] == [ANSWER] * 3
+    if not options:  # (a) is a bare grpc.aio server: no thread gets another scheduling policy
+        assert {os.sched_getscheduler(thread.id) for thread in psutil.Process(process.pid).threads()} \
+            == {os.SCHED_OTHER}
     with pytest.raises(grpc.RpcError) as error:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")(b"", timeout=10)
@@ -57,6 +60,8 @@ def test_hop_child_ends_with_its_server(start_canned, how):
     assert infer(port, b"x") == ANSWER
     (child,) = psutil.Process(process.pid).children()
     assert os.sched_getscheduler(child.pid) == os.SCHED_BATCH  # scheduled as mesh-runtime's workers are
+    front_policies = {os.sched_getscheduler(thread.id) for thread in psutil.Process(process.pid).threads()}
+    assert front_policies == {os.SCHED_OTHER, os.SCHED_BATCH}  # grpc's threads as in mesh-runtime's front
     process.send_signal(how)
     process.wait(10)
     wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,

@@ -1,7 +1,10 @@
 """Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
+import logging
 import os
 import signal
+import socket
 import stat
+import threading
 import time
 
 import psutil
@@ -109,27 +112,122 @@ def _policies(process: psutil.Process) -> set[int]:
     return {os.sched_getscheduler(thread.id) for thread in process.threads()}
 
 
-def test_workers_and_their_threads_run_as_batch_work_and_the_front_does_not():
+def _named_policies(process: psutil.Process) -> list[tuple[int, str, int]]:
+    """(thread id, the kernel's name for it, its scheduling policy) for every thread."""
+    named = []
+    for thread in process.threads():
+        with open(f"/proc/{process.pid}/task/{thread.id}/comm") as comm:
+            named.append((thread.id, comm.read().strip(), os.sched_getscheduler(thread.id)))
+    return named
+
+
+GRPC_THREAD_NAMES = {"grpc_global_tim", "event_engine", "lifeguard"}
+
+
+def _assert_front_grpc_threads_batch_and_the_rest_not(front: psutil.Process):
+    named = _named_policies(front)
+    assert {name for _, name, _ in named} >= GRPC_THREAD_NAMES | {"ZMQbg/IO/0"}
+    for tid, name, policy in named:
+        if name in GRPC_THREAD_NAMES:
+            assert policy == os.SCHED_BATCH, name
+        elif tid == front.pid or name.startswith("ZMQbg/"):  # the event loop and its ZeroMQ I/O thread
+            assert policy == os.SCHED_OTHER, name
+    # grpc's completion-queue poller is a Python thread, named like the front.
+    front_name = next(name for tid, name, _ in named if tid == front.pid)
+    python_threads = {policy for tid, name, policy in named if tid != front.pid and name == front_name}
+    assert os.SCHED_BATCH in python_threads
+
+
+def test_workers_and_the_fronts_grpc_threads_run_as_batch_work_the_event_loop_does_not():
     with Runtime(WORKERS_WARM="1") as rt:
         rt.load("batch", rt.model_dir("batch"))
         assert rt.infer_fp32("batch", [1.0]).outputs
         worker = rt.worker_for("batch")
         assert len(worker.threads()) > 1  # ZeroMQ's threads inherit the policy too
         assert _policies(worker) == {os.SCHED_BATCH}
-        assert _policies(psutil.Process(rt.pid)) == {os.SCHED_OTHER}
+        _assert_front_grpc_threads_batch_and_the_rest_not(psutil.Process(rt.pid))
 
 
 def test_worker_batch_scheduling_can_be_turned_off():
     with Runtime(WORKERS_WARM="1", WORKER_SCHED_BATCH="false") as rt:
         rt.load("normal", rt.model_dir("normal"))
         assert _policies(rt.worker_for("normal")) == {os.SCHED_OTHER}
+        _assert_front_grpc_threads_batch_and_the_rest_not(psutil.Process(rt.pid))
 
 
-def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypatch):
+def test_grpc_threads_batch_scheduling_can_be_turned_off():
+    with Runtime(WORKERS_WARM="1", GRPC_THREADS_SCHED_BATCH="false") as rt:
+        rt.load("normal", rt.model_dir("normal"))
+        assert rt.infer_fp32("normal", [1.0]).outputs
+        assert _policies(psutil.Process(rt.pid)) == {os.SCHED_OTHER}
+        assert _policies(rt.worker_for("normal")) == {os.SCHED_BATCH}
+
+
+def _refuse(pid, policy, param):
+    raise PermissionError(1, "Operation not permitted")
+
+
+def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypatch, caplog):
+    from runtime import server
+    from runtime.settings import Settings
     from workers import lifeline
 
-    def refuse(pid, policy, param):
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    monkeypatch.setattr(os, "sched_setscheduler", _refuse)
     assert lifeline.schedule_as_batch_work() is False
+    with lifeline.threads_started_here_run_as_batch_work() as batch:
+        assert batch is False
+    with caplog.at_level(logging.WARNING, logger="mesh.server"):
+        with server.grpc_threads_as_batch_work(Settings.from_env({})):
+            pass
+    assert "the kernel refused SCHED_BATCH (GRPC_THREADS_SCHED_BATCH)" in caplog.text
+
+
+def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keeps_its_policy():
+    from workers import lifeline
+
+    policies = {}
+
+    def record(when):
+        policies[when] = os.sched_getscheduler(0)  # 0: the calling thread
+
+    def run_thread(when):
+        thread = threading.Thread(target=record, args=(when,))
+        thread.start()
+        thread.join()
+
+    before = os.sched_getscheduler(0)
+    with lifeline.threads_started_here_run_as_batch_work() as batch:
+        run_thread("inside")
+    run_thread("after")
+    assert batch is True
+    assert policies == {"inside": os.SCHED_BATCH, "after": before}
+    assert os.sched_getscheduler(0) == before
+
+
+def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone():
+    """It stops before it touches the runtime dir, which the first front owns."""
+    with Runtime(WORKERS_WARM="1") as first:
+        first.load("first", first.model_dir("first"))
+        worker = first.worker_for("first")
+        second = Runtime(RUNTIME_PORT=str(first.port), RUNTIME_DIR=first.env["RUNTIME_DIR"])
+        second.start(wait_ready=False)
+        try:
+            assert second.process.wait(30) == 2
+            assert f"cannot listen on port {first.port}" in second.log()
+        finally:
+            second.stop()
+        assert worker.is_running() and os.path.isdir(first.env["RUNTIME_DIR"])
+        assert first.infer_fp32("first", [1.0]).outputs
+
+
+def test_a_taken_metrics_port_stops_the_front_with_exit_2_and_the_reason():
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        rt = Runtime(METRICS_PORT=str(taken.getsockname()[1]))
+        rt.start(wait_ready=False)
+        try:
+            assert rt.process.wait(30) == 2
+            assert f"cannot serve metrics on METRICS_PORT={taken.getsockname()[1]}" in rt.log()
+        finally:
+            rt.stop()

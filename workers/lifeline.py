@@ -11,12 +11,14 @@ ZeroMQ I/O thread, when a message arrives) preempt the thread running on its
 CPU, so on a busy machine each message could push the front off the CPU in
 the middle of a turn. Workers ask for SCHED_BATCH, which drops that wake-up
 preemption and nothing else: same nice level, same share of the CPU, and an
-idle CPU still takes a waking worker at once.
+idle CPU still takes a waking worker at once. The front starts grpc's threads
+the same way (runtime/server.py).
 
 Linux delivers the parent-death signal when the parent *thread* that forked us
 exits; the fork server forks from its only thread and the front starts the
 fork server from its main thread, so "thread" means "process" here.
 """
+import contextlib
 import ctypes
 import os
 import signal
@@ -66,6 +68,23 @@ def schedule_as_batch_work() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def threads_started_here_run_as_batch_work():
+    """Threads this thread starts inside the block run as SCHED_BATCH; this thread keeps its policy.
+
+    Linux keeps a policy per thread and a new thread inherits its creator's, so
+    this is how to reach threads a library starts without naming them.
+    Yields False if the kernel refused.
+    """
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    batch = schedule_as_batch_work()
+    try:
+        yield batch
+    finally:
+        if batch:
+            os.sched_setscheduler(0, policy, param)
 
 
 def stacks_path(runtime_dir: str, pid: int) -> str:
