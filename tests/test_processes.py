@@ -121,21 +121,21 @@ def _named_policies(process: psutil.Process) -> list[tuple[int, str, int]]:
     return named
 
 
+# Names grpc 1.85 gives its threads; checked only where present, since a later grpc may rename them.
 GRPC_THREAD_NAMES = {"grpc_global_tim", "event_engine", "lifeguard"}
 
 
 def _assert_front_grpc_threads_batch_and_the_rest_not(front: psutil.Process):
     named = _named_policies(front)
-    assert {name for _, name, _ in named} >= GRPC_THREAD_NAMES | {"ZMQbg/IO/0"}
+    front_name = next(name for tid, name, _ in named if tid == front.pid)
     for tid, name, policy in named:
         if name in GRPC_THREAD_NAMES:
             assert policy == os.SCHED_BATCH, name
-        elif tid == front.pid or name.startswith("ZMQbg/"):  # the event loop and its ZeroMQ I/O thread
+        elif tid == front.pid or name.startswith("ZMQbg/"):  # the event loop and ZeroMQ's threads
             assert policy == os.SCHED_OTHER, name
-    # grpc's completion-queue poller is a Python thread, named like the front.
-    front_name = next(name for tid, name, _ in named if tid == front.pid)
-    python_threads = {policy for tid, name, policy in named if tid != front.pid and name == front_name}
-    assert os.SCHED_BATCH in python_threads
+    batch = [name for _, name, policy in named if policy == os.SCHED_BATCH]
+    assert len(batch) >= 3, named  # grpc's timer, completion-queue poller, event engine
+    assert front_name in batch  # the poller is a Python thread, named like the front
 
 
 def test_workers_and_the_fronts_grpc_threads_run_as_batch_work_the_event_loop_does_not():
