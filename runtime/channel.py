@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from runtime.busypoll import BusyPoller
 from workers import protocol
 
 log = logging.getLogger("mesh.channel")
@@ -54,7 +55,7 @@ class Channel:
     every send (which may swallow an edge), drains all that is readable.
     """
 
-    def __init__(self, address: str, on_event: Callable[[bytes, dict], None]):
+    def __init__(self, address: str, on_event: Callable[[bytes, dict], None], busy_poll_seconds: float = 0.0):
         self.address = address
         self._on_event = on_event
         self._context = zmq.Context()
@@ -71,6 +72,7 @@ class Channel:
         self._by_peer: dict[bytes, set[int]] = {}
         self._fd = self._socket.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -86,8 +88,8 @@ class Channel:
     def replies_due_soon(self) -> bool:
         """Some worker owes a reply and none has a request queued behind another.
 
-        While this holds the event loop polls instead of sleeping
-        (runtime/busypoll.py). A worker with a queue is saturated: its replies
+        While this holds, for BUSY_POLL_US after a request goes out, the event
+        loop polls instead of sleeping (runtime/busypoll.py). A worker with a queue is saturated: its replies
         come at its own pace, and a polling front would only take CPU from it.
         """
         return 0 < len(self._pending) <= len(self._by_peer)
@@ -126,6 +128,8 @@ class Channel:
             self.send(peer, protocol.header(op, request_id, **fields), payloads)
         except PeerGone as gone:
             self._end(request_id, error=gone)
+        else:
+            self.busy_poller.arm()
         return future
 
     async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any

@@ -102,7 +102,8 @@ class WorkerPool:
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
         os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
-        self.channel = Channel(f"ipc://{settings.runtime_dir}/workers.sock", self._on_event)
+        self.channel = Channel(f"ipc://{settings.runtime_dir}/workers.sock", self._on_event,
+                               busy_poll_seconds=settings.busy_poll_us / 1e6)
         self.ready = False
         self._on_worker_exit = on_worker_exit
         self._context = multiprocessing.get_context("forkserver")

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, busypoll, rundir
+from runtime import __version__, rundir
 from runtime.admin import AdminServer
 from runtime.dataplane import InferenceService
 from runtime.management import ModelRuntimeServicer
@@ -47,12 +48,16 @@ def run(settings: Settings) -> int:
     except rundir.RuntimeDirError as error:
         log.error("%s", error)
         return 2
-    if not settings.busy_poll_us:  # asyncio's own selector: no Python layer on each turn of the loop
-        with asyncio.Runner() as runner:
-            return runner.run(serve(settings))
-    selector = busypoll.BusyPollSelector(settings.busy_poll_us / 1e6)
-    with asyncio.Runner(loop_factory=busypoll.event_loop_factory(selector)) as runner:
-        return runner.run(serve(settings, selector))
+    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+        return runner.run(serve(settings))
+
+
+def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """For asyncio.Runner: uvloop's loop, or None for asyncio's own (EVENT_LOOP)."""
+    if name == "uvloop":
+        import uvloop  # settings checked that it is installed
+        return uvloop.new_event_loop
+    return None
 
 
 class GenericHandlersOnly:
@@ -129,10 +134,8 @@ def grpc_threads_as_batch_work(settings: Settings):
         yield
 
 
-async def serve(settings: Settings, selector: busypoll.BusyPollSelector | None = None) -> int:
+async def serve(settings: Settings) -> int:
     supervisor = Supervisor(settings, Metrics())
-    if selector is not None:
-        selector.poll_while(supervisor.pool.channel.replies_due_soon)
     health_servicer = health.aio.HealthServicer()
     if settings.metrics_port:
         try:
@@ -144,8 +147,9 @@ async def serve(settings: Settings, selector: busypoll.BusyPollSelector | None =
     if server is None:
         return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("mesh-runtime %s listening on port %d%s", __version__, settings.runtime_port,
-             f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "")
+    log.info("mesh-runtime %s listening on port %d%s (event loop: %s)", __version__, settings.runtime_port,
+             f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "",
+             type(asyncio.get_running_loop()).__module__.split(".")[0])
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

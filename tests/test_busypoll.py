@@ -1,7 +1,8 @@
-"""runtime/busypoll.py: the front polls without sleeping only while replies are due.
+"""runtime/busypoll.py: the front polls without sleeping only after a request, while its reply is due.
 
-Judged by the CPU time the selector burns (time.process_time), not by how
-fast anything is: a spinning window costs CPU, a sleeping one does not.
+Judged by the CPU time the event loop burns (time.process_time), not by how
+fast anything is: a spinning window costs CPU, a sleeping one does not. Each
+test runs on both event loops the front can use (EVENT_LOOP).
 """
 from __future__ import annotations
 
@@ -10,93 +11,117 @@ import socket
 import time
 
 import pytest
+import uvloop
 
-from runtime.busypoll import BusyPollSelector, event_loop_factory
+from runtime.busypoll import BusyPoller
 
 WINDOW = 0.05
 
 
-@pytest.fixture
-def pair():
-    reader, writer = socket.socketpair()
-    yield reader, writer
-    reader.close()
-    writer.close()
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request):
+    """Runs a coroutine function on a fresh loop of each kind; returns (CPU seconds, its result)."""
+    factory = uvloop.new_event_loop if request.param == "uvloop" else None
+
+    def run_and_measure(coroutine_function):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            started = time.process_time()
+            result = runner.run(coroutine_function())
+            return time.process_time() - started, result
+    return run_and_measure
 
 
-def cpu_of(call) -> tuple[float, object]:
-    started = time.process_time()
-    result = call()
-    return time.process_time() - started, result
+def test_an_idle_loop_sleeps(run):
+    poller = BusyPoller(WINDOW, lambda: True)
+
+    async def idle():
+        await asyncio.sleep(0.2)
+        return poller.spinning
+
+    cpu, spinning = run(idle)
+    assert not spinning and cpu < 0.02, f"burnt {cpu:.3f} s of CPU with nothing sent"
 
 
-def test_sleeps_when_no_reply_is_due(pair):
-    selector = BusyPollSelector(WINDOW)
-    selector.register(pair[0], 1)  # selectors.EVENT_READ
-    cpu, events = cpu_of(lambda: selector.select(0.2))
-    assert events == [] and cpu < 0.02, f"burnt {cpu:.3f} s of CPU with nothing awaited"
+def test_polls_through_the_window_after_a_request_then_sleeps(run):
+    poller = BusyPoller(WINDOW, lambda: True)
+
+    async def armed():
+        poller.arm()
+        await asyncio.sleep(0.3)
+        return poller.spinning
+
+    cpu, spinning = run(armed)
+    assert cpu >= 0.005, f"only {cpu:.4f} s of CPU: the window was slept through"
+    assert cpu < 0.2 and not spinning, f"{cpu:.3f} s of CPU: kept polling past the {WINDOW} s window"
 
 
-def test_polls_through_the_window_while_replies_are_due(pair):
-    selector = BusyPollSelector(WINDOW)
-    selector.register(pair[0], 1)
-    selector.poll_while(lambda: True)
-    cpu, events = cpu_of(lambda: selector.select(0.2))
-    assert events == [] and cpu >= 0.005, f"only {cpu:.4f} s of CPU: the window was slept through"
+def test_zero_window_never_polls(run):
+    poller = BusyPoller(0, lambda: True)
+
+    async def armed():
+        poller.arm()
+        spinning = poller.spinning
+        await asyncio.sleep(0.2)
+        return spinning
+
+    cpu, spinning = run(armed)
+    assert not spinning and cpu < 0.02
 
 
-def test_zero_window_always_sleeps(pair):
-    selector = BusyPollSelector(0)
-    selector.register(pair[0], 1)
-    selector.poll_while(lambda: True)
-    cpu, events = cpu_of(lambda: selector.select(0.2))
-    assert events == [] and cpu < 0.02
-
-
-def test_stops_polling_once_nothing_is_due(pair):
-    selector = BusyPollSelector(10.0)  # a window far longer than the test
-    selector.register(pair[0], 1)
+def test_stops_polling_once_no_reply_is_due(run):
     due = iter([True, True, False])
-    selector.poll_while(lambda: next(due, False))
-    started = time.monotonic()
-    assert selector.select(0.3) == []
-    assert time.monotonic() - started < 5, "kept polling after replies stopped being due"
+    poller = BusyPoller(10.0, lambda: next(due, False))  # a window far longer than the test
+
+    async def armed():
+        poller.arm()
+        await asyncio.sleep(0.2)
+        return poller.spinning
+
+    cpu, spinning = run(armed)
+    assert not spinning and cpu < 0.05, "kept polling after replies stopped being due"
 
 
-def test_returns_ready_descriptors_from_the_window(pair):
-    reader, writer = pair
-    selector = BusyPollSelector(WINDOW)
-    key = selector.register(reader, 1)
-    selector.poll_while(lambda: True)
-    writer.send(b"x")
-    events = selector.select(1.0)
-    assert [(k.fd, mask) for k, mask in events] == [(key.fd, 1)]
+def test_arming_again_extends_the_window_without_a_second_poller(run):
+    turns = 0
+
+    def due() -> bool:
+        nonlocal turns
+        turns += 1
+        return True
+
+    poller = BusyPoller(WINDOW, due)
+
+    async def armed_twice():
+        poller.arm()
+        await asyncio.sleep(0)
+        poller.arm()
+        await asyncio.sleep(0)  # one turn of the loop: one poller asks once
+        before = turns
+        await asyncio.sleep(0)
+        return turns - before
+
+    _, turns_in_one_loop_turn = run(armed_twice)
+    assert turns_in_one_loop_turn == 1
 
 
-def test_event_loop_runs_over_the_selector(pair):
-    selector = BusyPollSelector(WINDOW)
-    selector.poll_while(lambda: True)
+def test_descriptors_are_served_while_polling(run):
+    reader, writer = socket.socketpair()
+    poller = BusyPoller(1.0, lambda: True)
 
     async def read_one() -> bytes:
         loop = asyncio.get_running_loop()
         got = loop.create_future()
-        loop.add_reader(pair[0].fileno(), lambda: got.set_result(pair[0].recv(1)))
-        loop.call_later(0.1, pair[1].send, b"y")
+        loop.add_reader(reader.fileno(), lambda: got.set_result(reader.recv(1)))
+        poller.arm()
+        loop.call_later(0.05, writer.send, b"y")
         try:
-            return await got
+            return await asyncio.wait_for(got, 5)
         finally:
-            loop.remove_reader(pair[0].fileno())
+            loop.remove_reader(reader.fileno())
 
-    with asyncio.Runner(loop_factory=event_loop_factory(selector)) as runner:
-        assert runner.run(read_one()) == b"y"
-
-
-def test_a_turn_with_callbacks_ready_does_not_ask_whether_replies_are_due(pair):
-    """The loop passes timeout 0 when it has callbacks to run: that turn must stay cheap."""
-    def asked():
-        raise AssertionError("asked whether replies are due on a turn that cannot wait")
-
-    selector = BusyPollSelector(WINDOW)
-    selector.register(pair[0], 1)
-    selector.poll_while(asked)
-    assert selector.select(0) == []
+    try:
+        _, got = run(read_one)
+        assert got == b"y"
+    finally:
+        reader.close()
+        writer.close()

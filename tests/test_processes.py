@@ -8,6 +8,7 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from harness import Runtime, alive, tree, wait_until
 
@@ -101,10 +102,22 @@ def test_idle_front_burns_no_cpu_after_serving():
 
 
 def test_front_without_busy_polling_serves():
-    """BUSY_POLL_US=0 runs the front on asyncio's own selector (runtime/server.py run())."""
     with Runtime(BUSY_POLL_US="0", WORKERS_WARM="1") as rt:
         rt.load("no-polling", rt.model_dir("no-polling"))
         assert rt.infer_fp32("no-polling", [1.0, 2.0]).outputs
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_front_serves_on_either_event_loop_and_says_which(event_loop):
+    with Runtime(EVENT_LOOP=event_loop, WORKERS_WARM="1") as rt:
+        rt.load("looped", rt.model_dir("looped"))
+        assert rt.infer_fp32("looped", [1.0, 2.0]).outputs
+        assert f"(event loop: {event_loop})" in rt.log()
+
+
+def test_uvloop_is_the_default_event_loop():
+    with Runtime(WORKERS_WARM="0") as rt:
+        assert "(event loop: uvloop)" in rt.log()
 
 
 def _policies(process: psutil.Process) -> set[int]:

@@ -76,3 +76,17 @@ def test_readme_table_is_generated_from_settings():
     with open(os.path.join(REPO, "README.md")) as readme:
         assert config.markdown_table() in readme.read(), \
             "README's environment table is out of date: paste runtime.settings.markdown_table()"
+
+
+def test_uvloop_chosen_but_not_installed_names_the_way_out_and_the_default_falls_back(monkeypatch):
+    real_find_spec = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "uvloop" else real_find_spec(name, *rest))
+    with pytest.raises(config.SettingsError) as error:
+        config.Settings.from_env({"EVENT_LOOP": "uvloop"})
+    assert str(error.value).startswith("EVENT_LOOP: ") and "EVENT_LOOP=asyncio" in str(error.value)
+    assert config.Settings.from_env({}).event_loop == "asyncio"  # the default falls back
+
+
+def test_uvloop_is_the_default_where_installed():
+    assert config.Settings.from_env({}).event_loop == "uvloop"
