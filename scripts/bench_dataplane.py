@@ -11,8 +11,10 @@ one stream at a time per connection (-m 1) over 1 or 16 connections.
 Cases (each at concurrency 1 and 16):
   (a) scripts/canned_server.py: a bare grpc.aio server answering every call
       with fixed response bytes (the ceiling of a Python front),
-  (a2) the same with --hop: every call's bytes go over ZeroMQ to a child
-      process that answers the fixed bytes (the ceiling of a front that
+  (a') the same on uvloop, the event loop mesh-runtime's front runs on by
+      default (a reference, not a target: what the loop alone changes),
+  (a2) the same on uvloop with --hop: every call's bytes go over ZeroMQ to a
+      child process that answers the fixed bytes (the ceiling of a front that
       forwards; not a target, it shows what the hop alone costs),
   (b) mesh-runtime serving an echo model (FP32 [1,4] in, the same out),
   (c) mesh-runtime serving a scikit-learn LogisticRegression trained on iris
@@ -433,9 +435,10 @@ def stop_process(process: subprocess.Popen) -> None:
 class Canned:
     """scripts/canned_server.py in a subprocess, answering with `response`."""
 
-    def __init__(self, folder: str, name: str, response: bytes, hop: bool = False):
+    def __init__(self, folder: str, name: str, response: bytes, hop: bool = False, uvloop: bool = False):
         self.folder = folder
         self.hop = hop
+        self.uvloop = uvloop
         self.port = harness.free_port()
         self.response_path = os.path.join(folder, f"canned-{name}.bin")
         with open(self.response_path, "wb") as f:
@@ -446,7 +449,8 @@ class Canned:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, os.path.join(REPO, "scripts", "canned_server.py"), "--port", str(self.port),
-             "--response", self.response_path, *(["--hop"] if self.hop else [])],
+             "--response", self.response_path, *(["--hop"] if self.hop else []),
+             *(["--uvloop"] if self.uvloop else [])],
             stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         wait_port(self.port, self.process, self.log_path, 30)
@@ -577,9 +581,10 @@ def load_iris_model(rt: harness.Runtime) -> str:
 
 CASE_A, CASE_B, CASE_C = "(a) grpc.aio canned", "(b) mesh-runtime echo", "(c) mesh-runtime sklearn"
 CASE_A2 = "(a2) canned via a ZeroMQ hop"
+CASE_A_UVLOOP = "(a') grpc.aio canned, uvloop"
 CASE_D_SKLEARN, CASE_D_ECHO = "(d) MLServer sklearn", "(d) MLServer echo"
 # Every (case, payload) in the order the table shows them.
-ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A2, SMALL), (CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL),
+ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A_UVLOOP, SMALL), (CASE_A2, SMALL), (CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL),
         (CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG))
 
 
@@ -618,9 +623,16 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
                                        mesh_header_lines("echo"), expect_anything, canned.processes, folder))
             except Exception as error:
                 cannot(((CASE_A, payload),), error)
-        # (a2) the same behind one ZeroMQ hop
+        # (a') the same on uvloop, the event loop mesh-runtime's front runs on (a reference)
         try:
-            hop = stack.enter_context(Canned(folder, "hop", echo_response("echo", False), hop=True))
+            canned = stack.enter_context(Canned(folder, "uvloop", echo_response("echo", False), uvloop=True))
+            targets_.append(Target(CASE_A_UVLOOP, SMALL, canned.port, small_request("echo"),
+                                   mesh_header_lines("echo"), expect_anything, canned.processes, folder))
+        except Exception as error:
+            cannot(((CASE_A_UVLOOP, SMALL),), error)
+        # (a2) behind one ZeroMQ hop, on uvloop as mesh-runtime's front
+        try:
+            hop = stack.enter_context(Canned(folder, "hop", echo_response("echo", False), hop=True, uvloop=True))
             targets_.append(Target(CASE_A2, SMALL, hop.port, small_request("echo"), mesh_header_lines("echo"),
                                    expect_anything, hop.processes, folder))
         except Exception as error:
@@ -764,8 +776,11 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
     rows.append(row)
     rows.append(ratio("(b) / (a) req/s, 1 MiB, c=16", "(b)", "(a)", 16, BIG, 0.45))
     rows.append(ratio("(b) / (d) req/s, 1 MiB, c=16", "(b)", "(d)", 16, BIG, 5, True))
-    # How (b) / (a) splits: what the bare hop keeps of (a), and what mesh-runtime keeps of the hop.
-    rows.append(ratio("(a2) / (a) req/s, FP32 [1,4], c=16", "(a2)", "(a)", 16, SMALL, None))
+    # References: what uvloop alone gives (a), what the bare hop keeps of it, and what
+    # mesh-runtime keeps of the hop.
+    rows.append(ratio("(a') / (a) req/s, FP32 [1,4], c=16", "(a')", "(a)", 16, SMALL, None))
+    rows.append(ratio("(b) / (a') req/s, FP32 [1,4], c=16", "(b)", "(a')", 16, SMALL, None))
+    rows.append(ratio("(a2) / (a') req/s, FP32 [1,4], c=16", "(a2)", "(a')", 16, SMALL, None))
     rows.append(ratio("(b) / (a2) req/s, FP32 [1,4], c=16", "(b)", "(a2)", 16, SMALL, None))
     return rows
 

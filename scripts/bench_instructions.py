@@ -7,9 +7,11 @@ instructions a process executes per call barely moves (under 1 % between
 runs), so this benchmark counts them, for the processes that do the work:
 
   (a)  scripts/canned_server.py, the bare grpc.aio server of the data-plane bench
-  (a2) its --hop variant's front (the child that answers is not counted)
-  (b)  mesh-runtime's front process serving the echo model (BUSY_POLL_US=0,
-       so that polling, which only burns idle time, is not counted)
+  (a2) its --hop variant's front, on uvloop as mesh-runtime's front (the child
+       that answers is not counted)
+  (b)  mesh-runtime's front process serving the echo model (default event
+       loop, uvloop; BUSY_POLL_US=0, so that polling, which only burns idle
+       time, is not counted)
   (w)  mesh-runtime's echo worker alone, sent calls over its ZeroMQ socket by
        this script, three in flight (no front, no grpc)
 
@@ -113,7 +115,7 @@ def canned(folder: str, calls: int, hop: bool) -> float:
     port = harness.free_port()
     process = subprocess.Popen(
         [*callgrind(folder, name), sys.executable, os.path.join(REPO, "scripts", "canned_server.py"),
-         "--port", str(port), "--response", answer, *(["--hop"] if hop else [])],
+         "--port", str(port), "--response", answer, *(["--hop", "--uvloop"] if hop else [])],
         stdout=subprocess.DEVNULL, stderr=open(os.path.join(folder, f"{name}.log"), "w"), start_new_session=True)
     try:
         dataplane.wait_port(port, process, os.path.join(folder, f"{name}.log"), 120)

@@ -15,12 +15,13 @@ That is the bare shape of mesh-runtime's hop, without anything mesh-runtime
 does around it (routing, replicas, deadlines, metrics, V2 decode and encode
 in the worker).
 
-usage: scripts/canned_server.py [--port N] [--hop] [--response FILE | --elements N [--raw]]
+usage: scripts/canned_server.py [--port N] [--hop] [--uvloop] [--response FILE | --elements N [--raw]]
 
   --response FILE   answer with FILE's bytes (a serialised ModelInferResponse)
   --elements N      else build an FP32 [1, N] response (default 4, typed
                     contents; --raw puts it in raw_output_contents)
   --hop             answer through a child process over ZeroMQ
+  --uvloop          run on uvloop's event loop (mesh-runtime's front does by default)
 
 Prints "ready <port>" on stdout once it listens; stops on SIGTERM or SIGINT.
 The server options match the runtime's (64 MiB message limits).
@@ -158,13 +159,19 @@ def main() -> int:
     parser.add_argument("--elements", type=int, default=4, help="FP32 [1, N] response when no --response")
     parser.add_argument("--raw", action="store_true", help="put the built response in raw_output_contents")
     parser.add_argument("--hop", action="store_true", help="answer through a child process over ZeroMQ")
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop, as mesh-runtime's front does")
     args = parser.parse_args()
     if args.response:
         with open(args.response, "rb") as f:
             answer = f.read()
     else:
         answer = fp32_response(args.elements, args.raw)
-    asyncio.run(serve(args.port, answer, args.hop))
+    loop_factory = None
+    if args.uvloop:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(args.port, answer, args.hop))
     return 0
 
 

@@ -41,10 +41,16 @@ def infer(port: int, body: bytes) -> bytes:
         return channel.unary_unary(METHOD)(body, timeout=10)
 
 
-@pytest.mark.parametrize("options", [(), ("--hop",)], ids=["canned", "hop"])
+def _loaded_uvloop(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "/uvloop/" in maps.read()
+
+
+@pytest.mark.parametrize("options", [(), ("--uvloop",), ("--hop", "--uvloop")], ids=["canned", "uvloop", "hop"])
 def test_answers_every_call_with_the_fixed_bytes(start_canned, options):
     process, port = start_canned(*options)
     assert [infer(port, bytes([n]) * n) for n in (0, 1, 100)] == [ANSWER] * 3
+    assert _loaded_uvloop(process.pid) == ("--uvloop" in options)
     if not options:  # (a) is a bare grpc.aio server: no thread gets another scheduling policy
         assert {os.sched_getscheduler(thread.id) for thread in psutil.Process(process.pid).threads()} \
             == {os.SCHED_OTHER}
