@@ -217,18 +217,22 @@ def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keep
     assert os.sched_getscheduler(0) == before
 
 
+def _run_until_it_exits(rt: Runtime) -> tuple[int, str]:
+    """Starts a runtime that is expected to stop by itself; returns its exit code and log."""
+    rt.start(wait_ready=False)
+    try:
+        return rt.process.wait(30), rt.log()
+    finally:
+        rt.stop()
+
+
 def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone():
     """It stops before it touches the runtime dir, which the first front owns."""
     with Runtime(WORKERS_WARM="1") as first:
         first.load("first", first.model_dir("first"))
         worker = first.worker_for("first")
-        second = Runtime(RUNTIME_PORT=str(first.port), RUNTIME_DIR=first.env["RUNTIME_DIR"])
-        second.start(wait_ready=False)
-        try:
-            assert second.process.wait(30) == 2
-            assert f"cannot listen on port {first.port}" in second.log()
-        finally:
-            second.stop()
+        code, log = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), RUNTIME_DIR=first.env["RUNTIME_DIR"]))
+        assert code == 2 and f"cannot listen on port {first.port}" in log
         assert worker.is_running() and os.path.isdir(first.env["RUNTIME_DIR"])
         assert first.infer_fp32("first", [1.0]).outputs
 
@@ -237,10 +241,6 @@ def test_a_taken_metrics_port_stops_the_front_with_exit_2_and_the_reason():
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
-        rt = Runtime(METRICS_PORT=str(taken.getsockname()[1]))
-        rt.start(wait_ready=False)
-        try:
-            assert rt.process.wait(30) == 2
-            assert f"cannot serve metrics on METRICS_PORT={taken.getsockname()[1]}" in rt.log()
-        finally:
-            rt.stop()
+        port = taken.getsockname()[1]
+        code, log = _run_until_it_exits(Runtime(METRICS_PORT=str(port)))
+    assert code == 2 and f"cannot serve metrics on METRICS_PORT={port}" in log
