@@ -24,6 +24,8 @@ from typing import Callable
 
 
 class BusyPoller:
+    """Keeps one callback scheduled while a reply is due, for up to a window after each request."""
+
     def __init__(self, window_seconds: float, replies_due: Callable[[], bool]):
         self.window_seconds = window_seconds
         self._replies_due = replies_due

@@ -89,8 +89,9 @@ class Channel:
         """Some worker owes a reply and none has a request queued behind another.
 
         While this holds, for BUSY_POLL_US after a request goes out, the event
-        loop polls instead of sleeping (runtime/busypoll.py). A worker with a queue is saturated: its replies
-        come at its own pace, and a polling front would only take CPU from it.
+        loop polls instead of sleeping (runtime/busypoll.py). A worker with a
+        queue is saturated: its replies come at its own pace, and a polling
+        front would only take CPU from it.
         """
         return 0 < len(self._pending) <= len(self._by_peer)
 
