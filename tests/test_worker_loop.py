@@ -111,3 +111,17 @@ def test_raw_request_decodes_alike_below_and_above_the_copy_threshold(worker, el
     assert np.array_equal(call.inputs["x"][0], values)
     big = len(frame) >= protocol.COPY_BELOW
     assert np.shares_memory(call.inputs["x"], np.frombuffer(frame, dtype=np.uint8)) == big
+
+
+def test_handle_returning_anything_but_bytes_is_a_model_error(worker):
+    """Answered as the model's error, instead of the worker dying on sending a str."""
+    class TextHandler(CountingModel):
+        handles_methods = True
+
+        def handle(self, method, request):
+            return "not bytes"
+
+    worker.model = TextHandler()
+    header, _ = call(worker, b"", "acme.Scorer/Score")
+    assert header["ok"] is False and header["error"] == protocol.ERROR_MODEL
+    assert "handle() returned str, expected bytes" in header["message"]

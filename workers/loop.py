@@ -239,6 +239,8 @@ class Worker:
             body = v2.metadata_response(self.model_id, self.format, self.model.metadata())
         elif getattr(self.model, "handles_methods", False):
             body = self.model.handle(method, bytes(request))
+            if not isinstance(body, (bytes, bytearray, memoryview)):  # ZeroMQ would raise on sending it
+                raise TypeError(f"handle() returned {type(body).__name__}, expected bytes")
         else:
             raise _Unimplemented(f"model {self.model_id} does not serve {method}")
         return [protocol.reply(request_id), body]
