@@ -584,8 +584,8 @@ CASE_A2 = "(a2) canned via a ZeroMQ hop"
 CASE_A_UVLOOP = "(a') grpc.aio canned, uvloop"
 CASE_D_SKLEARN, CASE_D_ECHO = "(d) MLServer sklearn", "(d) MLServer echo"
 # Every (case, payload) in the order the table shows them.
-ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A_UVLOOP, SMALL), (CASE_A2, SMALL), (CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL),
-        (CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG))
+ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A_UVLOOP, SMALL), (CASE_A2, SMALL), (CASE_B, SMALL),
+        (CASE_B, BIG), (CASE_C, SMALL), (CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG))
 
 
 def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,

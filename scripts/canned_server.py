@@ -159,7 +159,8 @@ def main() -> int:
     parser.add_argument("--elements", type=int, default=4, help="FP32 [1, N] response when no --response")
     parser.add_argument("--raw", action="store_true", help="put the built response in raw_output_contents")
     parser.add_argument("--hop", action="store_true", help="answer through a child process over ZeroMQ")
-    parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop, as mesh-runtime's front does")
+    parser.add_argument("--uvloop", action="store_true",
+                        help="run on uvloop's event loop, as mesh-runtime's front does")
     args = parser.parse_args()
     if args.response:
         with open(args.response, "rb") as f:
