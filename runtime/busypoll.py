@@ -41,7 +41,8 @@ class BusyPoller:
         if self.window_seconds <= 0:
             return
         self._until = time.perf_counter() + self.window_seconds
-        if not self._spinning:
+        # Not due (a worker has a queue, as at 16 clients): no callback to schedule only to stop.
+        if not self._spinning and self._replies_due():
             self._spinning = True
             asyncio.get_running_loop().call_soon(self._turn)
 
