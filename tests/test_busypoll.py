@@ -13,6 +13,7 @@ import time
 import pytest
 import uvloop
 
+from runtime import busypoll
 from runtime.busypoll import BusyPoller
 
 WINDOW = 0.05
@@ -102,6 +103,32 @@ def test_arming_again_extends_the_window_without_a_second_poller(run):
 
     _, turns_in_one_loop_turn = run(armed_twice)
     assert turns_in_one_loop_turn == 1
+
+
+@pytest.mark.parametrize("yields", [False, True])
+def test_turns_yield_the_cpu_only_when_asked_to(run, monkeypatch, yields):
+    yielded = 0
+
+    def sched_yield() -> None:
+        nonlocal yielded
+        yielded += 1
+
+    monkeypatch.setattr(busypoll.os, "sched_yield", sched_yield)
+    poller = BusyPoller(0.02, lambda: True, yield_each_turn=yields)
+
+    async def armed():
+        poller.arm()
+        await asyncio.sleep(0.05)
+
+    run(armed)
+    assert (yielded > 0) == yields, f"{yielded} yields with yield_each_turn={yields}"
+
+
+@pytest.mark.parametrize("cpus, yields", [({3}, True), ({0, 1}, False)])
+def test_yields_by_default_only_where_the_front_has_one_cpu(monkeypatch, cpus, yields):
+    # On one CPU the worker owing the reply can only run after the loop gives the CPU up.
+    monkeypatch.setattr(busypoll.os, "sched_getaffinity", lambda pid: cpus)
+    assert BusyPoller(WINDOW, lambda: True).yield_each_turn is yields
 
 
 def test_descriptors_are_served_while_polling(run):
