@@ -1,9 +1,11 @@
-"""The worker's call handling, in-process: deadlines, error kinds, raw frames out."""
+"""The worker's call handling, in-process: deadlines, error kinds, raw frames out, its serving loop."""
+import threading
 import time
 
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
@@ -125,3 +127,38 @@ def test_handle_returning_anything_but_bytes_is_a_model_error(worker):
     header, _ = call(worker, b"", "acme.Scorer/Score")
     assert header["ok"] is False and header["error"] == protocol.ERROR_MODEL
     assert "handle() returned str, expected bytes" in header["message"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_serve_answers_calls_queued_together_then_exits_once_the_front_is_silent(tmp_path, threads):
+    address = f"ipc://{tmp_path}/serve.sock"
+    context = zmq.Context()
+    front = context.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind(address)
+    worker = Worker({"address": address, "identity": b"unit", "heartbeat_timeout": 1, "threads": threads})
+    worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()
+    try:
+        peer, hello = front.recv_multipart()
+        assert protocol.parse_header(hello)["op"] == protocol.OP_HELLO
+        for request_id in (1, 2, 3):  # sent back to back: the worker may find them queued together
+            front.send_multipart([peer, protocol.header(protocol.OP_CALL, request_id, method=protocol.METHOD_INFER),
+                                  raw_request()])
+        answered = [protocol.parse_header(front.recv_multipart()[1]) for _ in range(3)]
+        # In order with one thread; with a pool, replies leave as their calls finish.
+        assert sorted((reply["id"], reply["ok"]) for reply in answered) == [(1, True), (2, True), (3, True)]
+        silent_since = time.monotonic()
+        serving.join(timeout=15)
+        assert not serving.is_alive(), "the worker kept serving a front silent for 15 s"
+        assert time.monotonic() - silent_since >= 0.9, "the worker left before its 1 s heartbeat timeout"
+    finally:
+        front.close(linger=0)
+        serving.join(timeout=5)
+        worker.socket.close(linger=0)
+        if worker.pool is not None:
+            worker.pool.shutdown()
+            worker.replies.close(linger=0)
+        worker.context.term()
+        context.term()

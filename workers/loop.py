@@ -10,9 +10,10 @@ Life of a worker (the front drives it; see workers/protocol.py for messages):
 With WORKER_THREADS > 1, calls run in a thread pool; ZeroMQ sockets are not
 thread-safe, so each thread hands its reply to the main loop over an inproc
 PUSH/PULL pair and only the main thread touches the DEALER. With one thread,
-calls run inline: no hop. The loop takes every message already queued before
-it polls again; calls for a row-wise model that arrived together may share
-one predict (workers/batching.py).
+calls run inline: no hop. A worker of a row-wise model takes every message
+already queued before it polls again, so calls that arrived together may
+share one predict (workers/batching.py); any other takes one message per poll
+(a poll finds a queued message without waiting).
 
 The loop ends by itself when the front has been silent for longer than the
 heartbeat timeout; the parent-death signal (workers/lifeline.py) covers the
@@ -60,8 +61,7 @@ class Worker:
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
-        self.poller = zmq.Poller()
-        self.poller.register(self.socket, zmq.POLLIN)
+        self.polled = [self.socket]
         self.batch_max = config.get("batch_max", 1)
         self.batches_rows = False  # set on load: the model's format predicts rows independently
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -70,7 +70,7 @@ class Worker:
             self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")
             self.replies = self.context.socket(zmq.PULL)
             self.replies.bind("inproc://replies")
-            self.poller.register(self.replies, zmq.POLLIN)
+            self.polled.append(self.replies)
             self.thread_sockets = threading.local()
         self.handlers = {
             protocol.OP_PING: self.on_ping,
@@ -81,14 +81,16 @@ class Worker:
         self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
         last_heard = time.monotonic()
         while True:
-            # Take everything already queued before polling again: under load
-            # the next call is usually waiting, and a poll costs a system call.
-            received = self.receive_queued()
-            forwarded = self.pool is not None and self.forward_replies()
-            if received:
+            # One zmq_poll both finds what is queued and waits when nothing is:
+            # each readiness check costs system calls (poll, and ZeroMQ's own
+            # poll and getpid), so none is repeated.
+            ready = protocol.wait_readable(self.polled, POLL_MS)
+            if self.socket in ready:
+                self.receive_queued()
                 last_heard = time.monotonic()
-            elif not forwarded and not self.poller.poll(POLL_MS) \
-                    and time.monotonic() - last_heard > self.heartbeat_timeout:
+            if self.pool is not None and self.replies in ready:
+                self.forward_replies()
+            if not ready and time.monotonic() - last_heard > self.heartbeat_timeout:
                 log.error("no word from the front for %.0f s; exiting", self.heartbeat_timeout)
                 return
 
@@ -96,24 +98,24 @@ class Worker:
         """Sends one message to the front (frames: header, then payloads)."""
         protocol.send_frames(self.socket, frames)
 
-    def receive_queued(self) -> bool:
-        """Handles every message the front has queued for us; False when there was none."""
+    def receive_queued(self) -> None:
+        """Handles the message the poll found, with those queued behind it when they may share a predict."""
         messages = []
-        while protocol.readable(self.socket):
+        while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
             messages.append((header, [frame.buffer for frame in payloads]))
-        if messages:
-            self.handle(messages)
-        return bool(messages)
+            # Other models gain nothing from seeing the queue, and the next poll looks anyway.
+            if not self.batches_rows or not protocol.readable(self.socket):
+                break
+        self.handle(messages)
 
-    def forward_replies(self) -> bool:
-        """Passes replies the call threads finished on to the front; False when there was none."""
-        forwarded = False
-        while protocol.readable(self.replies):
-            forwarded = True
+    def forward_replies(self) -> None:
+        """Passes the reply the poll found, and any other the call threads finished, on to the front."""
+        while True:
             self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
-        return forwarded
+            if not protocol.readable(self.replies):
+                break
 
     def handle(self, messages: list[tuple[bytes, list]]) -> None:
         """Answers messages in order; a row-wise model's calls that arrived together go to on_calls."""

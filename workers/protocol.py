@@ -155,6 +155,14 @@ def readable(socket: zmq.Socket) -> bool:
     return bool(_poll([(socket, _POLLIN)], 0))
 
 
+def wait_readable(sockets: Sequence[zmq.Socket], timeout_ms: int) -> list[zmq.Socket]:
+    """Those of `sockets` that hold a message, waiting up to timeout_ms for one.
+
+    zmq_poll looks before it sleeps, so a message already queued costs no wait.
+    """
+    return [socket for socket, _ in _poll([(socket, _POLLIN) for socket in sockets], timeout_ms)]
+
+
 def receive_frames(socket: zmq.Socket, copied: int) -> list:
     """The next message (call once readable()): its first `copied` frames as bytes,
     the rest left in ZeroMQ's buffers as zmq.Frame (tensors are read in place)."""
