@@ -14,14 +14,16 @@ an idle runtime costs no CPU; so does a front whose workers have requests
 queued (they are saturated, and need the CPU more than the front needs to
 hear them early: runtime/channel.py replies_due_soon).
 
-A turn yields the CPU only when the front may run on a single CPU. There the
-worker that owes the reply can run nowhere else, and it is SCHED_BATCH, so it
-would not preempt the polling loop. With more CPUs the kernel wakes the
-worker on another one, and yielding would only hand the CPU of the thread
-every call passes through to whoever else is runnable. On the 2-core bench
-machine, dropping the yield served 9-16 % more echo calls a second at 16
-clients and 2 % more at one (alternating bursts). With the whole runtime
-pinned to one CPU, dropping it cost 12 % at one client.
+A turn yields the CPU only when the loop did nothing else since the turn
+before: then the front is only waiting, and the worker that owes the reply
+(SCHED_BATCH, so it does not preempt) may be queued on this very CPU. A loop
+busy with other calls does not yield: that would hand the CPU of the one
+thread every call passes through to whoever else is runnable. Yielding on
+every turn cost the echo model a median 8 % of its calls a second at 16
+clients on the 2-core bench machine (five alternating-burst runs); never
+yielding left the sklearn model under its target in two scripts/bench runs
+((c)/(d) 2.60x and 2.67x at 16 clients, against 3.05x-3.90x before), and cost
+12 % at one client with the runtime pinned to one CPU.
 """
 from __future__ import annotations
 
@@ -31,19 +33,22 @@ import time
 from typing import Callable
 
 
+# A turn after which the loop's thread had used less CPU than this found the
+# loop with nothing else to do. An idle turn takes 2-10 µs of CPU; a turn that
+# waited behind other calls' callbacks mostly 25-200 µs (measured with one and
+# with 16 clients).
+IDLE_TURN_CPU_SECONDS = 25e-6
+
+
 class BusyPoller:
     """Keeps one callback scheduled while a reply is due, for up to a window after each request."""
 
-    def __init__(self, window_seconds: float, replies_due: Callable[[], bool],
-                 yield_each_turn: bool | None = None):
-        """yield_each_turn: by default, whether this process may run on one CPU only."""
+    def __init__(self, window_seconds: float, replies_due: Callable[[], bool]):
         self.window_seconds = window_seconds
         self._replies_due = replies_due
-        if yield_each_turn is None:
-            yield_each_turn = len(os.sched_getaffinity(0)) == 1
-        self.yield_each_turn = yield_each_turn
         self._until = 0.0
         self._spinning = False
+        self._cpu_at_last_turn = 0.0
 
     @property
     def spinning(self) -> bool:
@@ -57,12 +62,19 @@ class BusyPoller:
         # Not due (a worker has a queue, as at 16 clients): no callback to schedule only to stop.
         if not self._spinning and self._replies_due():
             self._spinning = True
+            self._cpu_at_last_turn = time.thread_time()
             asyncio.get_running_loop().call_soon(self._turn)
 
     def _turn(self) -> None:
         if self._replies_due() and time.perf_counter() < self._until:
-            if self.yield_each_turn:
-                os.sched_yield()
+            self._yield_if_the_loop_was_idle()
             asyncio.get_running_loop().call_soon(self._turn)
         else:
             self._spinning = False
+
+    def _yield_if_the_loop_was_idle(self) -> None:
+        # The loop thread's own CPU time: other threads' and processes' load does not count.
+        cpu = time.thread_time()
+        if cpu - self._cpu_at_last_turn < IDLE_TURN_CPU_SECONDS:
+            os.sched_yield()
+        self._cpu_at_last_turn = cpu

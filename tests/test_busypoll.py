@@ -105,30 +105,55 @@ def test_arming_again_extends_the_window_without_a_second_poller(run):
     assert turns_in_one_loop_turn == 1
 
 
-@pytest.mark.parametrize("yields", [False, True])
-def test_turns_yield_the_cpu_only_when_asked_to(run, monkeypatch, yields):
-    yielded = 0
+def burn_cpu(seconds: float) -> None:
+    """Uses `seconds` of this thread's CPU, as a callback serving another call would."""
+    until = time.thread_time() + seconds
+    while time.thread_time() < until:
+        pass
+
+
+@pytest.fixture
+def yields(monkeypatch):
+    """Counts the poller's sched_yield calls instead of making them."""
+    counted = [0]
 
     def sched_yield() -> None:
-        nonlocal yielded
-        yielded += 1
+        counted[0] += 1
 
     monkeypatch.setattr(busypoll.os, "sched_yield", sched_yield)
-    poller = BusyPoller(0.02, lambda: True, yield_each_turn=yields)
+    return counted
+
+
+def test_turns_of_an_otherwise_idle_loop_yield_the_cpu(run, yields):
+    # The worker owing the reply may be waiting for this very CPU.
+    poller = BusyPoller(0.02, lambda: True)
 
     async def armed():
         poller.arm()
         await asyncio.sleep(0.05)
 
     run(armed)
-    assert (yielded > 0) == yields, f"{yielded} yields with yield_each_turn={yields}"
+    assert yields[0] > 0, "polled an idle loop without ever giving the CPU up"
 
 
-@pytest.mark.parametrize("cpus, yields", [({3}, True), ({0, 1}, False)])
-def test_yields_by_default_only_where_the_front_has_one_cpu(monkeypatch, cpus, yields):
-    # On one CPU the worker owing the reply can only run after the loop gives the CPU up.
-    monkeypatch.setattr(busypoll.os, "sched_getaffinity", lambda pid: cpus)
-    assert BusyPoller(WINDOW, lambda: True).yield_each_turn is yields
+def test_turns_of_a_loop_busy_with_other_calls_keep_the_cpu(run, yields):
+    poller = BusyPoller(0.02, lambda: True)
+
+    async def busy():
+        loop = asyncio.get_running_loop()
+        stop = time.perf_counter() + 0.05
+
+        def other_call():  # 200 µs of CPU on every turn of the loop, past the window
+            burn_cpu(200e-6)
+            if time.perf_counter() < stop:
+                loop.call_soon(other_call)
+
+        loop.call_soon(other_call)
+        poller.arm()
+        await asyncio.sleep(0.08)
+
+    run(busy)
+    assert yields[0] == 0, f"yielded {yields[0]} times while the loop had other calls to serve"
 
 
 def test_descriptors_are_served_while_polling(run):
