@@ -4,7 +4,13 @@ USS (unique set size) is what the OS gets back when that process dies, which is
 exactly what unloading a model frees, so it is the size we report. We read it
 from /proc/PID/smaps_rollup, which the kernel sums for us (what psutil's
 memory_full_info().uss adds up from /proc/PID/smaps, at a fraction of the cost),
-and fall back on psutil where smaps_rollup is missing.
+and fall back on psutil on a kernel without smaps_rollup.
+
+The processes we measure may exit while we read their /proc files, and the
+kernel then answers ESRCH (exiting, or a zombie), ENOENT (reaped) or EACCES
+(the pid now belongs to someone else). Every reader here turns those into one
+contract: psutil.NoSuchProcess for a process that is gone, psutil.AccessDenied
+for one that is not ours; callers catch psutil.Error.
 """
 from __future__ import annotations
 
@@ -18,29 +24,46 @@ _PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
-def _rollup(pid: int, fields: tuple[bytes, ...]) -> int | None:
-    """The sum of `fields` in /proc/PID/smaps_rollup, in bytes; None when it cannot be read."""
+# smaps_rollup exists since Linux 4.14; only without it do we ask psutil.
+_HAS_ROLLUP = os.path.exists("/proc/self/smaps_rollup")
+
+
+def _rollup(pid: int, fields: tuple[bytes, ...]) -> int:
+    """The sum of `fields` in /proc/PID/smaps_rollup, in bytes."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
             return 1024 * sum(int(line.split()[1]) for line in rollup if line.startswith(fields))
-    except FileNotFoundError:
-        if not psutil.pid_exists(pid):
-            raise psutil.NoSuchProcess(pid) from None
+    except (ProcessLookupError, FileNotFoundError):
+        raise psutil.NoSuchProcess(pid) from None
     except PermissionError:
-        pass
-    return None
+        raise psutil.AccessDenied(pid) from None
 
 
 def uss(pid: int) -> int:
-    """Unique memory of process `pid` in bytes; raises psutil.NoSuchProcess if it is gone."""
-    value = _rollup(pid, _PRIVATE_FIELDS)
-    return value if value is not None else psutil.Process(pid).memory_full_info().uss
+    """Unique memory of process `pid` in bytes; raises psutil.Error if it is gone or not ours."""
+    if _HAS_ROLLUP:
+        return _rollup(pid, _PRIVATE_FIELDS)
+    return psutil.Process(pid).memory_full_info().uss
 
 
 def pss(pid: int) -> int:
-    """Proportional memory of process `pid`: its unique pages plus its share of shared ones."""
-    value = _rollup(pid, (b"Pss:",))
-    return value if value is not None else psutil.Process(pid).memory_full_info().pss
+    """Proportional memory of process `pid`: its unique pages plus its share of shared ones.
+
+    Raises psutil.Error if it is gone or not ours.
+    """
+    if _HAS_ROLLUP:
+        return _rollup(pid, (b"Pss:",))
+    return psutil.Process(pid).memory_full_info().pss
+
+
+def uss_or_zero(pid: int | None) -> int:
+    """uss(), or 0 for a process that is gone, not ours or not started: none of our memory is in it."""
+    if pid is None:
+        return 0
+    try:
+        return uss(pid)
+    except psutil.Error:
+        return 0
 
 
 def cgroup_limit() -> int | None:
@@ -74,6 +97,9 @@ def tree_pss(root_pid: int | None = None) -> int:
     PSS, not USS: the fork server's preloaded frameworks are shared with every
     worker, so no process owns them uniquely, yet they occupy memory; summed
     PSS counts each such page exactly once.
+
+    A descendant that ends (or turns out not to be ours) while we count is
+    skipped; raises psutil.Error only if the root itself is gone.
     """
     root = psutil.Process(root_pid or os.getpid())
     total = 0
@@ -81,5 +107,6 @@ def tree_pss(root_pid: int | None = None) -> int:
         try:
             total += pss(process.pid)
         except psutil.Error:
-            pass  # it ended while we counted
+            if process is root:
+                raise
     return total

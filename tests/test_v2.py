@@ -361,6 +361,47 @@ def test_bytes_and_str_outputs_round_trip_as_bytes(raw):
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_object_output_of_numpy_text_scalars_is_bytes(raw):
+    value = np.array([np.str_("ü"), np.bytes_(b"b"), "", b""], dtype=object)
+    response, arrays = response_arrays(v2.encode_response(pb.ModelInferRequest(), {"y": value}, raw))
+    assert response.outputs[0].datatype == "BYTES"
+    assert arrays["y"].tolist() == ["ü".encode(), b"b", b"", b""]
+
+
+OBJECT_OUTPUT_ERRORS = [
+    pytest.param(np.array([1, "a", None], dtype=object), "int", "0", id="int-first"),
+    pytest.param(np.array(["a", b"b", None], dtype=object), "NoneType", "2", id="None-last"),
+    pytest.param(np.array([[b"a", "b"], ["c", 2.5]], dtype=object), "float", "(1, 1)", id="2-D"),
+    pytest.param(np.array([b"a", np.int64(3)], dtype=object), "int64", "1", id="numpy-int"),
+    pytest.param(np.array([b"a", bytearray(b"b")], dtype=object), "bytearray", "1", id="bytearray"),
+    pytest.param(np.array({"k": "v"}, dtype=object), "dict", "0", id="0-D"),
+]
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+@pytest.mark.parametrize("value, kind, index", OBJECT_OUTPUT_ERRORS)
+def test_object_output_holding_anything_but_text_is_bad_model_output(value, kind, index, raw):
+    outputs = {"fine": np.array([1.5]), "y": value}
+    with pytest.raises(v2.BadModelOutput) as caught:
+        v2.encode_response(pb.ModelInferRequest(), outputs, raw)
+    assert str(caught.value) == (f"output 'y' holds {kind} at index {index}; "
+                                 f"an object output must hold bytes or str")
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_object_output_str_that_utf8_cannot_encode_is_bad_model_output(raw):
+    with pytest.raises(v2.BadModelOutput, match="output 'y' holds a str at index 1 that UTF-8 cannot encode"):
+        v2.encode_response(pb.ModelInferRequest(), {"y": np.array(["a", "\ud800"], dtype=object)}, raw)
+
+
+def test_bad_object_output_that_was_not_requested_is_not_checked():
+    request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="ok")])
+    outputs = {"ok": np.array([b"x"], dtype=object), "junk": np.array([None], dtype=object)}
+    response, arrays = response_arrays(v2.encode_response(request, outputs, False))
+    assert [o.name for o in response.outputs] == ["ok"] and arrays["ok"].tolist() == [b"x"]
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_requested_outputs_select_and_order(raw):
     request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="c"),
                                             pb.ModelInferRequest.InferRequestedOutputTensor(name="a")])

@@ -213,9 +213,9 @@ def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any]
     for name, datatype, array in tensors:
         out = outputs_field.add(name=name, datatype=datatype, shape=array.shape)
         if raw:
-            buffers.append(_to_raw(datatype, array))
+            buffers.append(_to_raw(name, datatype, array))
         else:
-            _fill_contents(out.contents, datatype, array)
+            _fill_contents(name, out.contents, datatype, array)
     return response.SerializeToString(), buffers
 
 
@@ -234,21 +234,43 @@ def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
     return datatype, array
 
 
-def _as_bytes(element: Any) -> bytes:
-    if isinstance(element, bytes):
-        return element
-    if isinstance(element, str):
-        return element.encode()
-    if isinstance(element, np.bytes_):
-        return bytes(element)
-    return str(element).encode()
+def _bytes_elements_of(name: str, array: np.ndarray) -> list[bytes]:
+    """A BYTES output's elements: bytes as they are, str encoded UTF-8.
+
+    Anything else (a number, None, an object) is the model's error: sending
+    its str() would hand the client text the model never produced.
+    """
+    elements = []
+    for index, element in enumerate(array.ravel()):
+        if isinstance(element, bytes):  # numpy.bytes_ too
+            elements.append(element)
+        elif isinstance(element, str):  # numpy.str_ too
+            elements.append(_utf8(name, array, index, element))
+        else:
+            raise BadModelOutput(f"output {name!r} holds {type(element).__name__} at index "
+                                 f"{_position(array, index)}; an object output must hold bytes or str")
+    return elements
 
 
-def _to_raw(datatype: str, array: np.ndarray) -> bytes | memoryview:
+def _utf8(name: str, array: np.ndarray, index: int, text: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError as error:  # a lone surrogate
+        raise BadModelOutput(f"output {name!r} holds a str at index {_position(array, index)} "
+                             f"that UTF-8 cannot encode ({error.reason})") from None
+
+
+def _position(array: np.ndarray, flat_index: int) -> str:
+    """An element's index as the model would write it: (row, column) in a 2-D output."""
+    if array.ndim <= 1:
+        return str(flat_index)
+    return str(tuple(int(i) for i in np.unravel_index(flat_index, array.shape)))
+
+
+def _to_raw(name: str, datatype: str, array: np.ndarray) -> bytes | memoryview:
     if datatype == "BYTES":
         parts = []
-        for element in array.ravel():
-            data = _as_bytes(element)
+        for data in _bytes_elements_of(name, array):
             parts.append(struct.pack("<I", len(data)))
             parts.append(data)
         return b"".join(parts)
@@ -256,11 +278,11 @@ def _to_raw(datatype: str, array: np.ndarray) -> bytes | memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def _fill_contents(contents, datatype: str, array: np.ndarray) -> None:
+def _fill_contents(name: str, contents, datatype: str, array: np.ndarray) -> None:
     field = DATATYPES[datatype][1]
     values = getattr(contents, field)
     if datatype == "BYTES":
-        values.extend(_as_bytes(e) for e in array.ravel())
+        values.extend(_bytes_elements_of(name, array))
     else:
         values.extend(array.ravel().tolist())
 

@@ -28,8 +28,24 @@ async def run(supervisor, args: list[str]) -> dict:
 
 
 async def _dump(worker, path: str) -> str:
-    with open(path, "w"):
-        pass  # empty it: the worker appends
+    try:
+        return await _signal_and_read(worker, path)
+    except FileNotFoundError:
+        # The pool deletes the file when it reaps the worker; a new worker
+        # creates it as it sets up its handler.
+        state = "has ended" if not worker.alive else "is still starting"
+        raise AdminError(f"worker {worker.pid} {state}: it has no stacks file") from None
+
+
+async def _signal_and_read(worker, path: str) -> str:
+    # Emptied (the worker appends), never created: a file the pool deleted must
+    # stay deleted, and SIGUSR1 kills a worker that has not set up its handler yet.
+    # Never through a symlink either, as the worker opens it.
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
     worker.signal(signal.SIGUSR1)
     deadline = time.monotonic() + WAIT_SECONDS
     size = -1

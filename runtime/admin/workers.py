@@ -28,16 +28,24 @@ def _state(worker) -> str:
 
 
 def _measure(pids: list[int]) -> dict[int, tuple[int, int, float]]:
+    """(USS, RSS, CPU %) of each pid; zeros for one that ended (or is not ours) while we looked."""
     figures = {}
     for pid in pids:
         try:
-            process = _processes.setdefault(pid, psutil.Process(pid))
-            figures[pid] = (memory.uss(pid), process.memory_info().rss, process.cpu_percent(None))
+            figures[pid] = _figures(pid)
         except psutil.Error:
+            _processes.pop(pid, None)
             figures[pid] = (0, 0, 0.0)
     for gone in set(_processes) - set(pids):
         del _processes[gone]
     return figures
+
+
+def _figures(pid: int) -> tuple[int, int, float]:
+    process = _processes.get(pid)
+    if process is None:
+        process = _processes[pid] = psutil.Process(pid)
+    return memory.uss(pid), process.memory_info().rss, process.cpu_percent(None)
 
 
 async def run(supervisor, args: list[str]) -> list[dict]:

@@ -1,0 +1,243 @@
+"""Reading /proc about processes that exit under us: runtime/memory.py, supervisor._sizes, the admin commands.
+
+The contract: memory.uss and memory.pss raise psutil.NoSuchProcess for a
+process that is gone (exiting, a zombie, reaped) and psutil.AccessDenied for
+one that is not ours; everything built on them answers 0 (or skips it).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import io
+import os
+import signal
+import subprocess
+import threading
+import time
+import types
+
+import psutil
+import pytest
+
+from runtime import memory, supervisor
+from runtime.admin import AdminError, kill, stacks
+from runtime.admin import workers as admin_workers
+
+ME = os.getpid()
+# Above the largest pid_max Linux allows: never a process, so signalling it fails with ESRCH.
+NO_SUCH_PID = 2**22 + 1
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen(["sleep", "30"])
+
+
+def reaped_pid() -> int:
+    child = sleeper()
+    child.kill()
+    child.wait()
+    return child.pid
+
+
+def zombie() -> subprocess.Popen:
+    """A child killed and not yet waited for."""
+    child = sleeper()
+    child.kill()
+    deadline = time.monotonic() + 5
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child did not become a zombie"
+        time.sleep(0.005)
+    return child
+
+
+def worker(pid):
+    return types.SimpleNamespace(pid=pid)
+
+
+# -- (a) real processes dying while we read them ------------------------------------------
+
+def _read_everything(pid: int, outcomes: dict) -> None:
+    """Every reader on `pid` (and on our own tree); only psutil.Error may come out of uss/pss."""
+    for reader in (memory.uss, memory.pss):
+        try:
+            assert reader(pid) >= 0
+            outcomes["read"] += 1
+        except psutil.Error as error:
+            outcomes[type(error).__name__] += 1
+    assert memory.uss_or_zero(pid) >= 0
+    assert all(size >= 0 for size in supervisor._sizes([worker(pid), worker(None)]))
+    assert memory.tree_pss(ME) > 0
+
+
+def test_readers_survive_processes_killed_under_them():
+    outcomes = collections.Counter()
+    stop = threading.Event()
+    killed_in_background: list[int] = []
+
+    def churn() -> None:  # children of ours that die while tree_pss walks our tree
+        while not stop.is_set():
+            child = sleeper()
+            killed_in_background.append(child.pid)
+            child.kill()
+            child.wait()
+
+    background = threading.Thread(target=churn)
+    background.start()
+    try:
+        for _ in range(150):
+            child = sleeper()
+            _read_everything(child.pid, outcomes)  # alive (maybe still exec'ing)
+            os.kill(child.pid, signal.SIGKILL)
+            _read_everything(child.pid, outcomes)  # exiting or a zombie
+            child.wait()
+            _read_everything(child.pid, outcomes)  # reaped
+            if killed_in_background:
+                _read_everything(killed_in_background[-1], outcomes)
+    finally:
+        stop.set()
+        background.join()
+    # uss and pss of each reaped child at least; and some reads of live ones.
+    assert outcomes["read"] > 0 and outcomes["NoSuchProcess"] >= 2 * 150, outcomes
+    assert len(killed_in_background) > 10
+
+
+# -- (b) each errno the kernel may answer, one at a time ----------------------------------
+
+GONE_ERRORS = [ProcessLookupError(errno.ESRCH, "No such process"),
+               FileNotFoundError(errno.ENOENT, "No such file or directory")]
+ALL_ERRORS = [*GONE_ERRORS, PermissionError(errno.EACCES, "Permission denied")]
+EXPECTED = {ProcessLookupError: psutil.NoSuchProcess, FileNotFoundError: psutil.NoSuchProcess,
+            PermissionError: psutil.AccessDenied}
+ROOT_ROLLUP = b"Rss: 400 kB\nPss: 100 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 20 kB\n"
+
+
+@pytest.fixture
+def rollup_fails(monkeypatch):
+    """Makes smaps_rollup raise `error` for every pid but ours, whose rollup reads ROOT_ROLLUP."""
+    def install(error: OSError, for_root_too: bool = False):
+        def fake_open(path, *args, **kwargs):
+            if isinstance(path, str) and path.endswith("/smaps_rollup"):
+                if path == f"/proc/{ME}/smaps_rollup" and not for_root_too:
+                    return io.BytesIO(ROOT_ROLLUP)
+                raise error
+            return open(path, *args, **kwargs)
+        monkeypatch.setattr(memory, "open", fake_open, raising=False)
+        # With smaps_rollup present, psutil must never be asked instead.
+        monkeypatch.setattr(psutil.Process, "memory_full_info",
+                            lambda self: pytest.fail("psutil fallback used"))
+    return install
+
+
+@pytest.fixture
+def child():
+    process = sleeper()
+    yield process
+    process.kill()
+    process.wait()
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
+def test_uss_and_pss_raise_psutil_errors(rollup_fails, child, error):
+    rollup_fails(error)
+    for reader in (memory.uss, memory.pss):
+        with pytest.raises(EXPECTED[type(error)]) as caught:
+            reader(child.pid)
+        assert caught.value.pid == child.pid
+    assert memory.uss(ME) == 30 * 1024 and memory.pss(ME) == 100 * 1024
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
+def test_uss_or_zero_and_sizes_answer_zero(rollup_fails, child, error):
+    rollup_fails(error)
+    assert memory.uss_or_zero(child.pid) == 0
+    assert supervisor._sizes([worker(child.pid), worker(ME), worker(None)]) == [0, 30 * 1024, 0]
+
+
+@pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
+def test_tree_pss_skips_descendants_it_cannot_read(rollup_fails, child, error):
+    rollup_fails(error)
+    assert child.pid in {p.pid for p in psutil.Process(ME).children(recursive=True)}
+    assert memory.tree_pss(ME) == 100 * 1024
+
+
+@pytest.mark.parametrize("error", GONE_ERRORS, ids=lambda e: type(e).__name__)
+def test_tree_pss_of_a_root_that_is_gone_raises_no_such_process(rollup_fails, error):
+    rollup_fails(error, for_root_too=True)
+    with pytest.raises(psutil.NoSuchProcess):
+        memory.tree_pss(ME)
+
+
+def test_real_zombie_and_reaped_process():
+    child = zombie()
+    try:
+        with pytest.raises(psutil.NoSuchProcess):
+            memory.uss(child.pid)
+        with pytest.raises(psutil.NoSuchProcess):
+            memory.pss(child.pid)
+        assert supervisor._sizes([worker(child.pid)]) == [0]
+    finally:
+        child.wait()
+    with pytest.raises(psutil.NoSuchProcess):
+        memory.uss(child.pid)
+    assert supervisor._sizes([worker(child.pid)]) == [0]
+
+
+def test_psutil_fallback_without_smaps_rollup(monkeypatch, child):
+    monkeypatch.setattr(memory, "_HAS_ROLLUP", False)
+    assert memory.uss(child.pid) > 0 and memory.pss(child.pid) > 0
+    gone = reaped_pid()
+    with pytest.raises(psutil.NoSuchProcess):
+        memory.uss(gone)
+    assert memory.uss_or_zero(gone) == 0
+
+
+# -- (c) the admin commands -----------------------------------------------------------------
+
+def test_workers_measure_of_vanished_pids():
+    admin_workers._processes.clear()
+    child = sleeper()
+    figures = admin_workers._measure([child.pid])
+    assert figures[child.pid][0] > 0 and child.pid in admin_workers._processes
+    child.kill()
+    child.wait()
+    gone, zombie_child = child.pid, zombie()
+    try:
+        figures = admin_workers._measure([gone, zombie_child.pid])
+    finally:
+        zombie_child.wait()
+    assert figures == {gone: (0, 0, 0.0), zombie_child.pid: (0, 0, 0.0)}
+    assert gone not in admin_workers._processes
+
+
+def test_stacks_of_a_worker_reaped_meanwhile(tmp_path):
+    dead = types.SimpleNamespace(pid=reaped_pid(), alive=False, signal=lambda signum: None)
+    with pytest.raises(AdminError, match=f"worker {dead.pid} has ended"):
+        asyncio.run(stacks._dump(dead, str(tmp_path / str(dead.pid))))
+    assert not os.path.exists(tmp_path / str(dead.pid)), "a stacks file was left for a dead worker"
+
+
+def test_stacks_file_deleted_while_waiting(tmp_path):
+    path = tmp_path / "1234"
+    path.write_text("")
+
+    def reaped(signum):  # the worker dies on the signal and the pool deletes its file
+        dying.alive = False
+        os.unlink(path)
+
+    dying = types.SimpleNamespace(pid=1234, alive=True, signal=reaped)
+    with pytest.raises(AdminError, match="worker 1234 has ended"):
+        asyncio.run(stacks._dump(dying, str(path)))
+
+
+def test_kill_a_worker_whose_process_is_gone():
+    from runtime.pool import Worker
+
+    async def scenario():
+        target = Worker(b"w-1", process=None)
+        target.pid = NO_SUCH_PID  # as if it had ended and not yet been reaped
+        fake = types.SimpleNamespace(pool=types.SimpleNamespace(workers=lambda: [target]))
+        return target, await kill.run(fake, [str(target.pid)])
+
+    target, killed = asyncio.run(scenario())
+    assert killed == [target.pid] and target.kill_cause == "operator"
