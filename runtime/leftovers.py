@@ -3,6 +3,9 @@ next front on the same RUNTIME_DIR can kill whatever an earlier one left.
 
 Each process is a file `pids/<pid>` holding its start time: a pid alone could
 by now belong to an unrelated process, a pid with the same start time cannot.
+A record alone is no licence to kill, though: the purge kills only a process
+of the runtime's uid whose title marks it as a mesh-runtime process of this
+very RUNTIME_DIR (workers/lifeline.py), and leaves anything else alone.
 """
 from __future__ import annotations
 
@@ -13,14 +16,18 @@ import time
 
 import psutil
 
+from workers import lifeline
+
 log = logging.getLogger("mesh.leftovers")
 
 # Start times read twice from /proc can differ in the last digits.
 _SAME_START_SECONDS = 0.05
+_RECORD_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ProcessRegistry:
     def __init__(self, runtime_dir: str):
+        self.runtime_dir = runtime_dir
         self.folder = os.path.join(runtime_dir, "pids")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
@@ -29,7 +36,9 @@ class ProcessRegistry:
             started = psutil.Process(pid).create_time()
         except psutil.NoSuchProcess:
             return
-        with open(os.path.join(self.folder, str(pid)), "w") as record:
+        fd = os.open(os.path.join(self.folder, str(pid)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS,
+                     0o600)
+        with open(fd, "w") as record:
             record.write(repr(started))
 
     def remove(self, pid: int) -> None:
@@ -39,11 +48,11 @@ class ProcessRegistry:
             pass
 
     def purge(self, wait_seconds: float = 5.0) -> list[int]:
-        """SIGKILLs every recorded process that still runs; returns their pids."""
+        """SIGKILLs every recorded process that still runs and is ours to kill; returns their pids."""
         survivors = []
         for name in os.listdir(self.folder):
             process = self._recorded_process(name)
-            if process is not None:
+            if process is not None and self._is_ours_to_kill(process):
                 survivors.append(process)
             os.unlink(os.path.join(self.folder, name))
         for process in survivors:
@@ -61,15 +70,39 @@ class ProcessRegistry:
         return [p.pid for p in survivors]
 
     def _recorded_process(self, name: str) -> psutil.Process | None:
+        """The running process a record names, if it is still the one recorded."""
         try:
-            with open(os.path.join(self.folder, name)) as record:
+            with open(os.open(os.path.join(self.folder, name), os.O_RDONLY | _RECORD_FLAGS)) as record:
                 started = float(record.read())
             process = psutil.Process(int(name))
             if abs(process.create_time() - started) > _SAME_START_SECONDS or process.pid == os.getpid():
                 return None
-            return process
+            return process if _running(process) else None
         except (ValueError, OSError, psutil.Error):
             return None
+
+    def _is_ours_to_kill(self, process: psutil.Process) -> bool:
+        """Only a process of our uid titled as a mesh-runtime process of this RUNTIME_DIR.
+
+        Anyone who could once write into the folder could have planted a
+        record naming a process of theirs, or any process at all.
+        """
+        try:
+            uids, cmdline = process.uids(), process.cmdline()
+        except psutil.Error:
+            return False
+        ours = os.getuid()
+        if uids.real != ours or uids.effective != ours:
+            stranger = uids.real if uids.real != ours else uids.effective
+            log.warning("leaving pid %d alone: it runs as uid %d, not as the runtime's uid %d",
+                        process.pid, stranger, ours)
+            return False
+        if not lifeline.is_runtime_process_of(cmdline, self.runtime_dir):
+            shown = " ".join(part for part in cmdline if part)[:120]
+            log.warning("leaving pid %d alone: its title %r does not mark it as a mesh-runtime process of %s",
+                        process.pid, shown, self.runtime_dir)
+            return False
+        return True
 
 
 def _running(process: psutil.Process) -> bool:

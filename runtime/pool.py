@@ -29,8 +29,6 @@ import os
 import signal
 import time
 
-import psutil
-
 import workers.main
 from runtime import status
 from runtime.channel import Channel, PeerGone
@@ -136,10 +134,19 @@ class WorkerPool:
         # Called on the main thread on purpose: the fork server's parent-death
         # signal follows the thread that forked it.
         os.environ[protocol.PRELOAD_ENV] = ",".join(self.settings.worker_preload)
+        os.environ[lifeline.RUNTIME_DIR_ENV] = self.settings.runtime_dir  # for the fork server's title
         self._context.set_forkserver_preload(["workers.preload"])
         multiprocessing.forkserver.ensure_running()
-        for child in psutil.Process().children():
-            self.registry.add(child.pid)  # the fork server and multiprocessing's resource tracker
+        # multiprocessing keeps the fork server's pid in a private field; the
+        # resource tracker (the front's other child) is left unrecorded: it
+        # cannot carry our title, so a purge could never tell it from a
+        # stranger's process, and it exits by itself once the front, the fork
+        # server and the workers are gone (the last end of its pipe closes).
+        forkserver_pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        if forkserver_pid is None:
+            log.warning("cannot find the fork server's pid; a later front will not purge it if it is left")
+        else:
+            self.registry.add(forkserver_pid)
 
     async def close(self) -> None:
         """Kills every worker, waits until each is reaped, stops the fork server."""

@@ -16,7 +16,6 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
 from runtime import __version__, rundir
@@ -39,17 +38,66 @@ SERVICE_NAMES = (
 
 
 def run(settings: Settings) -> int:
+    stop_signals = StopSignals()
+    stop_signals.note_early()
     logsetup.setup("front", settings.log_level, settings.log_format)
-    setproctitle(f"mesh-runtime front port={settings.runtime_port}")
+    lifeline.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
     if not lifeline.set_oom_score_adj(lifeline.FRONT_OOM_SCORE_ADJ):
         log.info("cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it")
     try:
-        rundir.prepare(settings.runtime_dir)
+        # Held for the front's whole life: the purge of leftovers and all the rest run under it.
+        lock = rundir.prepare(settings.runtime_dir)
     except rundir.RuntimeDirError as error:
         log.error("%s", error)
         return 2
-    with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
-        return runner.run(serve(settings))
+    with lock, asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+        return runner.run(serve(settings, stop_signals))
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """SIGTERM or SIGINT stops the front once; later ones are logged once and ignored.
+
+    From the start of run() a plain handler notes a signal that comes before
+    the event loop listens. Before the loop ends, both signals are ignored for
+    the rest of the exit: asyncio and uvloop put the default handlers back
+    when they let go of theirs, and a SIGINT then would kill a front that had
+    shut down cleanly.
+    """
+
+    def __init__(self):
+        self.requested = asyncio.Event()
+        self._early: int | None = None
+        self._told = False
+
+    def note_early(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_early_signal)
+
+    def _on_early_signal(self, signum: int, frame) -> None:
+        self._early = self._early or signum
+
+    def listen(self, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        if self._early is not None:
+            log.info("%s came during startup: stopping once started", signal.Signals(self._early).name)
+            self.requested.set()
+        return self.requested
+
+    def _on_signal(self, signum: int) -> None:
+        if not self.requested.is_set():
+            self.requested.set()
+        elif not self._told:
+            self._told = True
+            log.info("already stopping: ignoring %s and any later SIGTERM or SIGINT", signal.Signals(signum).name)
+
+    def ignore_from_now_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -134,7 +182,19 @@ def grpc_threads_as_batch_work(settings: Settings):
         yield
 
 
-async def serve(settings: Settings) -> int:
+async def serve(settings: Settings, stop_signals: StopSignals | None = None) -> int:
+    """Serves until SIGTERM or SIGINT, then shuts down; returns the exit code."""
+    stop_signals = stop_signals or StopSignals()
+    loop = asyncio.get_running_loop()
+    stop = stop_signals.listen(loop)
+    try:
+        return await serve_until(stop, settings)
+    finally:
+        stop_signals.ignore_from_now_on(loop)
+
+
+async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
+    """Starts everything, serves until `stop` is set, stops everything; returns the exit code."""
     supervisor = Supervisor(settings, Metrics())
     health_servicer = health.aio.HealthServicer()
     if settings.metrics_port:
@@ -150,11 +210,6 @@ async def serve(settings: Settings) -> int:
     log.info("mesh-runtime %s listening on port %d%s (event loop: %s)", __version__, settings.runtime_port,
              f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "",
              type(asyncio.get_running_loop()).__module__.split(".")[0])
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
 
     exit_code = 0
     admin = AdminServer(supervisor, settings)

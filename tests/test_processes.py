@@ -4,6 +4,7 @@ import os
 import signal
 import socket
 import stat
+import subprocess
 import threading
 import time
 
@@ -11,6 +12,8 @@ import psutil
 import pytest
 
 from harness import Runtime, alive, tree, wait_until
+from test_runtime_dir import record, start_titled
+from workers import lifeline
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -39,21 +42,29 @@ def test_sigkill_of_the_front_leaves_no_process_within_10_s():
 
 def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir():
     first = Runtime().start()
+    run_dir = first.env["RUNTIME_DIR"]
+    # Real workers die with the front (parent-death signal); this one stands for a worker that
+    # outlived it. Beside it, a process of ours the records name that is no mesh-runtime process.
+    left_behind = start_titled(lifeline.title("worker model=m", run_dir))
+    unrelated = subprocess.Popen(["sleep", "120"])
     try:
         first.load("m", first.model_dir("m"))
-        left_behind = [p for p in tree(first.pid) if p.pid != first.pid]
-        # A second front on the same RUNTIME_DIR (say, after the first was wedged).
-        second = Runtime(RUNTIME_DIR=first.env["RUNTIME_DIR"]).start()
+        record(run_dir, left_behind, unrelated)
+        first.process.kill()  # it leaves its folder, its lock file and its records behind
+        first.process.wait()
+        second = Runtime(RUNTIME_DIR=run_dir).start()
         try:
-            assert not alive(left_behind), "the earlier front's workers survived the new front's start"
-            assert "left behind by an earlier runtime" in second.log()
+            assert left_behind.wait(10) == -signal.SIGKILL
+            assert f"killing pid {left_behind.pid}, left behind by an earlier runtime" in second.log()
+            assert unrelated.poll() is None and f"leaving pid {unrelated.pid} alone" in second.log()
             second.load("m2", second.model_dir("m2"))
             assert second.infer_fp32("m2", [1.0]).outputs
         finally:
             second.stop()
     finally:
-        first.process.kill()
-        first.process.wait()
+        for child in (left_behind, unrelated):
+            child.kill()
+            child.wait()
         first.stop()
 
 
@@ -226,13 +237,17 @@ def _run_until_it_exits(rt: Runtime) -> tuple[int, str]:
         rt.stop()
 
 
-def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone():
-    """It stops before it touches the runtime dir, which the first front owns."""
+@pytest.mark.parametrize("runtime_dir", ["the first front's", "its own"])
+def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone(runtime_dir):
+    """On the first front's RUNTIME_DIR the lock on it stops the second front before it touches it."""
     with Runtime(WORKERS_WARM="1") as first:
         first.load("first", first.model_dir("first"))
         worker = first.worker_for("first")
-        code, log = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), RUNTIME_DIR=first.env["RUNTIME_DIR"]))
-        assert code == 2 and f"cannot listen on port {first.port}" in log
+        env = {"RUNTIME_DIR": first.env["RUNTIME_DIR"]} if runtime_dir == "the first front's" else {}
+        code, log = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), **env))
+        expected = (f"is in use by another front (pid {first.pid})" if env
+                    else f"cannot listen on port {first.port}")
+        assert code == 2 and expected in log
         assert worker.is_running() and os.path.isdir(first.env["RUNTIME_DIR"])
         assert first.infer_fp32("first", [1.0]).outputs
 

@@ -20,8 +20,13 @@ fork server from its main thread, so "thread" means "process" here.
 """
 import contextlib
 import ctypes
+import logging
 import os
 import signal
+
+from setproctitle import setproctitle
+
+log = logging.getLogger("mesh.lifeline")
 
 FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +46,41 @@ def forkserver_pid() -> int | None:
     """The fork server's pid as it recorded it before forking us (None outside a worker)."""
     value = os.environ.get(FORKSERVER_PID_ENV)
     return int(value) if value else None
+
+
+# Process titles name the RUNTIME_DIR so that a front can tell the processes an
+# earlier front on the same folder left (its own to kill) from anything else.
+# /proc/PID/environ cannot tell: setproctitle writes over it.
+TITLE_PREFIX = "mesh-runtime "
+RUNTIME_DIR_ENV = "MESH_RUNTIME_DIR"  # how the fork server learns it (set by the front)
+_titled_dir = ""  # the RUNTIME_DIR this process last named in its title
+
+
+def title(role: str, runtime_dir: str) -> str:
+    """`mesh-runtime ROLE dir=RUNTIME_DIR`, e.g. `mesh-runtime worker model=m1 dir=/run/mesh`."""
+    return f"{TITLE_PREFIX}{role} dir={runtime_dir}" if runtime_dir else f"{TITLE_PREFIX}{role}"
+
+
+def set_title(role: str, runtime_dir: str | None = None) -> bool:
+    """Titles this process (runtime_dir None: the one it named before); never raises, False if refused."""
+    global _titled_dir
+    if runtime_dir is not None:
+        _titled_dir = runtime_dir
+    try:
+        setproctitle(title(role, _titled_dir))
+        return True
+    except (ValueError, OSError) as error:  # a NUL in a model id, say
+        log.warning("cannot set the process title to %r: %s", role, error)
+        return False
+
+
+def is_runtime_process_of(cmdline: list[str], runtime_dir: str) -> bool:
+    """True if a command line (psutil's split of it) is the title of a mesh-runtime process of runtime_dir.
+
+    The directory ends the title, so a model id that holds " dir=..." cannot name another folder.
+    """
+    text = " ".join(part for part in cmdline if part)  # setproctitle pads with NULs: empty parts
+    return bool(runtime_dir) and text.startswith(TITLE_PREFIX) and text.endswith(f" dir={runtime_dir}")
 
 
 # /proc/PID/oom_score_adj runs from -1000 (never kill) to 1000 (kill first).
@@ -96,5 +136,7 @@ def dump_stacks_on_sigusr1(runtime_dir: str) -> None:
     """Lets the front read this process's Python stacks without stopping it."""
     import faulthandler
     path = stacks_path(runtime_dir, os.getpid())
-    stacks_file = open(path, "a")  # kept open for the life of the process
+    # Private, and never through a symlink: the stacks may show model data.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    stacks_file = open(fd, "a")  # kept open for the life of the process
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)

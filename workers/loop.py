@@ -31,11 +31,10 @@ import time
 from typing import Any
 
 import zmq
-from setproctitle import setproctitle
 
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, formats, protocol, v2
+from workers import batching, formats, lifeline, protocol, v2
 
 log = logging.getLogger("mesh.worker")
 
@@ -168,7 +167,7 @@ class Worker:
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD,
                                          f"this worker already holds model {self.model_id}")]
         self.model_id, self.format = header["model_id"], header["format"]
-        setproctitle(f"mesh-runtime worker model={self.model_id}")
+        lifeline.set_title(f"worker model={self.model_id}")
         started = time.monotonic()
         try:
             self.model = formats.load(self.format, header["path"])

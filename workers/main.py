@@ -11,8 +11,6 @@ import logging
 import signal
 from typing import Any
 
-from setproctitle import setproctitle
-
 from workers import lifeline, logsetup
 
 
@@ -20,7 +18,7 @@ def run(config: dict[str, Any]) -> None:
     lifeline.die_with_parent(lifeline.forkserver_pid())
     lifeline.set_oom_score_adj(lifeline.WORKER_OOM_SCORE_ADJ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
-    setproctitle("mesh-runtime worker spare")
+    lifeline.set_title("worker spare", config["runtime_dir"])
     logsetup.setup("worker", config["log_level"], config["log_format"])
     lifeline.dump_stacks_on_sigusr1(config["runtime_dir"])
     # Before ZeroMQ starts its I/O thread, which inherits the policy.

@@ -12,14 +12,12 @@ import importlib
 import os
 import sys
 
-from setproctitle import setproctitle
-
 from workers import formats, lifeline, protocol
 
 
 def _preload() -> None:
     lifeline.die_with_parent(expected_parent=None)
-    setproctitle("mesh-runtime forkserver")
+    lifeline.set_title("forkserver", os.environ.get(lifeline.RUNTIME_DIR_ENV, ""))
     # Workers compare their parent with this pid to close the race between
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())
