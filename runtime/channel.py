@@ -139,6 +139,9 @@ class Channel:
         return await self.submit(peer, op, payloads, **fields)
 
     def _overdue(self, request_id: int, on_overdue: Callable[[], BaseException]) -> None:
+        # After a stall of the event loop the timer may fire with the reply
+        # already queued unread: read it before judging the worker.
+        self._drain()
         if request_id in self._pending:
             self._end(request_id, error=on_overdue())
 

@@ -42,6 +42,8 @@ HEARTBEAT_SECONDS = 1.0
 # A worker that hears nothing from the front for this long exits: a backstop
 # behind the parent-death signal (the front pings every HEARTBEAT_SECONDS).
 WORKER_SILENCE_LIMIT = 10.0
+# The heartbeat waking this much later than due means the front's own loop was stalled.
+STALL_SECONDS = 1.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0
 
@@ -234,6 +236,7 @@ class WorkerPool:
             "address": self.channel.address,
             "identity": identity,
             "heartbeat_timeout": WORKER_SILENCE_LIMIT,
+            "front": lifeline.process_identity(os.getpid()),
             "threads": self.settings.worker_threads,
             "batch_max": self.settings.worker_batch_max,
             "sched_batch": self.settings.worker_sched_batch,
@@ -328,12 +331,26 @@ class WorkerPool:
         return code
 
     async def _heartbeat_forever(self) -> None:
-        """Pings every worker each second; kills one that stays silent while it should not be."""
+        """Pings every worker each second; kills one that stays silent while it should not be.
+
+        Silence is judged only over time the front itself was running: after
+        a stall of the event loop (a hostile request, a paused container)
+        every worker's answers are still queued unread, so each is given a
+        fresh silence limit rather than killed for the front's own delay.
+        """
         ping = protocol.header(protocol.OP_PING)
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
+        due = time.monotonic() + HEARTBEAT_SECONDS
         while True:
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             now = time.monotonic()
+            late = now - due
+            due = now + HEARTBEAT_SECONDS
+            if late > STALL_SECONDS:
+                log.warning("the front's event loop stalled for %.1f s; no worker is judged on that silence",
+                            late)
+                for worker in self._workers.values():
+                    worker.last_seen = max(worker.last_seen, now)
             for worker in list(self._workers.values()):
                 if not (worker.ready.done() and worker.alive):
                     continue

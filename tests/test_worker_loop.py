@@ -1,4 +1,5 @@
 """The worker's call handling, in-process: deadlines, error kinds, raw frames out, its serving loop."""
+import subprocess
 import threading
 import time
 
@@ -9,7 +10,7 @@ import zmq
 
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
-from workers import protocol
+from workers import lifeline, protocol
 from workers.loop import Worker
 
 
@@ -160,5 +161,34 @@ def test_serve_answers_calls_queued_together_then_exits_once_the_front_is_silent
         if worker.pool is not None:
             worker.pool.shutdown()
             worker.replies.close(linger=0)
+        worker.context.term()
+        context.term()
+
+
+def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gone(tmp_path):
+    address = f"ipc://{tmp_path}/stalled.sock"
+    context = zmq.Context()
+    front = context.socket(zmq.ROUTER)
+    front.setsockopt(zmq.LINGER, 0)
+    front.bind(address)
+    stalled_front = subprocess.Popen(["sleep", "60"])  # stands for a front whose event loop is stuck
+    worker = Worker({"address": address, "identity": b"unit", "heartbeat_timeout": 0.5, "threads": 1,
+                     "front": lifeline.process_identity(stalled_front.pid)})
+    serving = threading.Thread(target=worker.serve, daemon=True)
+    serving.start()
+    try:
+        front.recv_multipart()  # hello
+        serving.join(timeout=2.5)
+        assert serving.is_alive(), "the worker left a front that was silent but still running"
+        stalled_front.kill()
+        stalled_front.wait()
+        serving.join(timeout=5)
+        assert not serving.is_alive(), "the worker kept waiting for a front that is gone"
+    finally:
+        stalled_front.kill()
+        stalled_front.wait()
+        front.close(linger=0)
+        serving.join(timeout=5)
+        worker.socket.close(linger=0)
         worker.context.term()
         context.term()

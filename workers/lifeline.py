@@ -140,3 +140,26 @@ def dump_stacks_on_sigusr1(runtime_dir: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     stacks_file = open(fd, "a")  # kept open for the life of the process
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+
+
+def process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time in clock ticks): names one process for good, where a pid may be reused."""
+    fields = _stat_fields(pid)
+    return (pid, int(fields[19])) if fields else None
+
+
+def is_running(identity: tuple[int, int] | list[int]) -> bool:
+    """True while the process that `process_identity` named exists and is not a zombie."""
+    pid, started = identity
+    fields = _stat_fields(pid)
+    return fields is not None and int(fields[19]) == started and fields[0] != "Z"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces); None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            text = stat_file.read().decode(errors="replace")
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()

@@ -16,8 +16,10 @@ share one predict (workers/batching.py); any other takes one message per poll
 (a poll finds a queued message without waiting).
 
 The loop ends by itself when the front has been silent for longer than the
-heartbeat timeout; the parent-death signal (workers/lifeline.py) covers the
-rest.
+heartbeat timeout and is no longer running; the parent-death signal
+(workers/lifeline.py) covers the rest. A front that is still running but
+silent is stalled, not gone: its worker waits for it rather than take its
+model down.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Worker:
         self.model_id = ""
         self.format = ""
         self.heartbeat_timeout = config["heartbeat_timeout"]
+        self.front = config.get("front")  # (pid, start time) of the front; None: judge by silence alone
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
@@ -90,8 +93,15 @@ class Worker:
             if self.pool is not None and self.replies in ready:
                 self.forward_replies()
             if not ready and time.monotonic() - last_heard > self.heartbeat_timeout:
-                log.error("no word from the front for %.0f s; exiting", self.heartbeat_timeout)
-                return
+                if not self.front_is_running():
+                    log.error("no word from the front for %.0f s and it is gone; exiting", self.heartbeat_timeout)
+                    return
+                log.warning("no word from the front for %.0f s, but it still runs: waiting for it",
+                            time.monotonic() - last_heard)
+                last_heard = time.monotonic()  # warn again after another silence limit, not every poll
+
+    def front_is_running(self) -> bool:
+        return self.front is not None and lifeline.is_running(self.front)
 
     def send(self, frames: list) -> None:
         """Sends one message to the front (frames: header, then payloads)."""
