@@ -1,8 +1,10 @@
 """Protobuf wire format by hand, where parsing a whole message would copy tensors.
 
 - string_field(): the front routes inference by the request's field 1
-  (model_name / name) when no mm-model-id header is present; walking to
-  field 1 costs a few varints, even for a 16 MiB request.
+  (model_name / name) when no mm-model-id header is present. Skipping a
+  length-delimited field costs the same whatever its size, so the walk's
+  cost is its number of fields, and the front bounds that number: a body
+  of millions of tiny fields must not hold the event loop.
 - split_bytes_field(): the worker takes raw_input_contents out of a request
   as views over the received ZeroMQ frame, so numpy arrays are built over
   those very bytes; protobuf parses only the small rest.
@@ -16,9 +18,17 @@ from __future__ import annotations
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
+# No V2 message has anywhere near this many top-level fields (one to three
+# per tensor); a body that does is refused rather than walked to its end.
+MAX_FIELDS = 100_000
+
 
 class WireError(ValueError):
     """Bytes that are not a protobuf message."""
+
+
+class TooManyFields(WireError):
+    """A walk gave up after its bound on the number of fields."""
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -34,15 +44,18 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data):
+def _fields(data, max_fields: int = MAX_FIELDS):
     """Yields (field number, wire type, start of the field, start of its value, end of its value).
 
     For a length-delimited field the value is its bytes, without the length;
     for the others only the end matters. Raises WireError on bytes that are
-    not a message.
+    not a message, and on the field after the first `max_fields`.
     """
-    pos, end = 0, len(data)
+    pos, end, count = 0, len(data), 0
     while pos < end:
+        count += 1
+        if count > max_fields:
+            raise TooManyFields(f"more than {max_fields} top-level fields")
         field_start = pos
         key, pos = _varint(data, pos)
         field, wire_type = key >> 3, key & 7
@@ -90,9 +103,12 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def string_field(data, number: int) -> str | None:
-    """The first top-level string field `number` in `data`, or None when it is absent."""
-    for field, wire_type, _, value_start, value_end in _fields(data):
+def string_field(data, number: int, max_fields: int = MAX_FIELDS) -> str | None:
+    """The first top-level string field `number` in `data`, or None when it is absent.
+
+    Raises TooManyFields when it is not among the first `max_fields` fields.
+    """
+    for field, wire_type, _, value_start, value_end in _fields(data, max_fields):
         if field == number and wire_type == _LENGTH_DELIMITED:
             try:
                 return bytes(data[value_start:value_end]).decode()

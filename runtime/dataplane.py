@@ -3,10 +3,16 @@
 ModelInfer and ModelMetadata go to the model's worker as raw request bytes
 (no deserialiser is registered for them, so grpc hands us bytes and sends the
 worker's bytes back as they are). ServerLive, ServerReady, ServerMetadata and
-ModelReady carry no tensors and are answered here.
+ModelReady carry no tensors and are answered here. Every method is served as
+stream-unary, so that its request is read under the byte budget
+(runtime/reading.py).
 
 The model id comes from the `mm-model-id-bin` header (UTF-8), else
 `mm-model-id`, else field 1 of the request (where model-mesh injects it).
+Looking for field 1 walks the request's top-level fields on the event loop,
+so it stops after ID_SEARCH_MAX_FIELDS of them. Model-mesh appends field 1
+at the end when a client left it out, but then it also sends the headers;
+any other client's protobuf library writes field 1 first.
 The headers are read in `service()`, from the metadata grpc builds once to
 look the method up: `context.invocation_metadata()` builds it again, and
 that cost about 4 % of the front's instructions per echo call (callgrind).
@@ -23,7 +29,7 @@ import grpc
 
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from runtime import __version__, modelspec, status
+from runtime import __version__, modelspec, reading, status
 from runtime.supervisor import Supervisor
 from workers import protocol
 
@@ -35,6 +41,9 @@ NEVER_FORWARDED = ("/mmesh.", "/grpc.")
 # service() keeps the handlers it built for (method, header id): the same few
 # models are called over and over. Emptied when full: ids come from clients.
 ROUTED_HANDLERS_MAX = 4096
+# Fields walked looking for the model id of a request without headers: a
+# fraction of a millisecond of the event loop at most.
+ID_SEARCH_MAX_FIELDS = 1024
 
 
 def model_id_in_headers(metadata) -> str:
@@ -58,7 +67,11 @@ def model_id_in_headers(metadata) -> str:
 def model_id_in_request(request: bytes) -> str:
     """The id in the request's field 1, where model-mesh injects it when there are no headers."""
     try:
-        model_id = wire.string_field(request, 1)
+        model_id = wire.string_field(request, 1, ID_SEARCH_MAX_FIELDS)
+    except wire.TooManyFields:
+        raise status.invalid_argument(
+            f"no model id in the request's first {ID_SEARCH_MAX_FIELDS} fields: send the mm-model-id "
+            "header, or put the model name first") from None
     except wire.WireError as error:
         raise status.invalid_argument(f"request is not a valid protobuf message: {error}") from None
     if not model_id:
@@ -67,8 +80,8 @@ def model_id_in_request(request: bytes) -> str:
     return model_id
 
 
-async def _refuse(error: status.RpcError, request: bytes, context) -> None:
-    await status.abort(context, error)
+async def _refuse(error: status.RpcError, request_iterator, context) -> None:
+    await status.abort(context, error)  # without reading the request: it may be big
 
 
 class InferenceService(grpc.GenericRpcHandler):
@@ -88,9 +101,9 @@ class InferenceService(grpc.GenericRpcHandler):
         }
         self._handlers = {}
         for name, (handler, request_type) in local.items():
-            self._handlers[f"/{name}"] = grpc.unary_unary_rpc_method_handler(
+            self._handlers[f"/{name}"] = reading.budgeted(grpc.unary_unary_rpc_method_handler(
                 handler, request_deserializer=request_type.FromString,
-                response_serializer=lambda message: message.SerializeToString())
+                response_serializer=lambda message: message.SerializeToString()), supervisor.budget)
 
     def service(self, handler_call_details):
         method = handler_call_details.method
@@ -104,12 +117,12 @@ class InferenceService(grpc.GenericRpcHandler):
         try:
             header_id = model_id_in_headers(handler_call_details.invocation_metadata)
         except status.RpcError as error:
-            return grpc.unary_unary_rpc_method_handler(functools.partial(_refuse, error))
+            return grpc.stream_unary_rpc_method_handler(functools.partial(_refuse, error))
         key = (method, header_id)
         handler = self._routed.get(key)
         if handler is None:
             forward = functools.partial(InferenceService._forward, self, *forwarded, header_id)
-            handler = grpc.unary_unary_rpc_method_handler(forward)
+            handler = grpc.stream_unary_rpc_method_handler(forward)  # read under the budget
             if kept:
                 if len(self._routed) >= ROUTED_HANDLERS_MAX:
                     self._routed.clear()
@@ -121,15 +134,17 @@ class InferenceService(grpc.GenericRpcHandler):
         """(method, metric label): our own method names, "other" for custom ones (clients choose those)."""
         return method, method.rsplit("/", 1)[-1] if method.startswith(SERVICE) else "other"
 
-    async def _forward(self, method: str, label: str, header_id: str, request: bytes, context) -> bytes:
+    async def _forward(self, method: str, label: str, header_id: str, request_iterator, context) -> bytes:
         started = time.perf_counter()
-        model_id, code = header_id, "OK"
+        model_id, code, request = header_id, "OK", b""
         try:
+            request = await reading.read_request(self.supervisor.budget, context)
             if not model_id:
                 model_id = model_id_in_request(request)
             return await self.supervisor.call(model_id, method, request, context.time_remaining())
         except status.RpcError as error:
             code = error.code.name
+            del request  # the abort's traceback holds this frame: not the request with it
             await status.abort(context, error)
         finally:
             if self.supervisor.is_known(model_id):

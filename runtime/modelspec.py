@@ -17,6 +17,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 from typing import Any
 
 from runtime import status
@@ -24,6 +25,8 @@ from runtime.settings import Settings
 from workers import formats
 
 MAX_MODEL_ID_BYTES = 1024
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # A model folder with more entries than this is refused rather than walked.
 MAX_MODEL_FILES = 10000
 
@@ -38,7 +41,7 @@ class ModelSpec:
 
 def resolve(model_id: str, model_type: str, model_path: str, model_key: str, settings: Settings,
             known_formats: tuple[formats.Format, ...] = formats.FORMATS) -> ModelSpec:
-    check_model_id(model_id)
+    check_loadable_id(model_id)
     key = parse_key(model_key)
     path, disk_bytes = checked_path(model_path, settings)
     fmt = detect_format(key, model_type, path, known_formats)
@@ -57,6 +60,20 @@ def check_model_id(model_id: str) -> None:
         raise status.invalid_argument("modelId is empty")
     if len(model_id.encode()) > MAX_MODEL_ID_BYTES:
         raise status.invalid_argument(f"modelId is longer than {MAX_MODEL_ID_BYTES} bytes")
+
+
+def check_loadable_id(model_id: str) -> None:
+    """A model id fit to load: bounded, and free of control characters.
+
+    The id goes into log lines and process titles: a newline would forge a
+    log line, a NUL cannot be in a title. Checked at load only: an id that
+    cannot be loaded is simply not found by inference calls.
+    """
+    check_model_id(model_id)
+    control = _CONTROL_CHARACTER.search(model_id)
+    if control is not None:
+        raise status.invalid_argument(
+            f"modelId {model_id!r} holds the control character {control.group()!r} at {control.start()}")
 
 
 def parse_key(model_key: str) -> dict[str, Any]:

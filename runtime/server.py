@@ -18,8 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, rundir
+from runtime import __version__, reading, rundir
 from runtime.admin import AdminServer
+from runtime.budget import ByteBudget
 from runtime.dataplane import InferenceService
 from runtime.management import ModelRuntimeServicer
 from runtime.metrics import Metrics
@@ -28,6 +29,8 @@ from runtime.supervisor import Supervisor
 from workers import lifeline, logsetup
 
 log = logging.getLogger("mesh.server")
+
+STREAM_WINDOW_BYTES = 4 * 2**20
 
 SERVICE_NAMES = (
     model_runtime_pb2.DESCRIPTOR.services_by_name["ModelRuntime"].full_name,
@@ -115,16 +118,37 @@ class GenericHandlersOnly:
     method plus one for every other method, and walks all of them on every
     call: the dozen methods that generated code registers cost each inference
     call more than looking the method up among four generic handlers does.
+    Each unary method is served so that its request is read under the byte
+    budget (runtime/reading.py).
     """
 
-    def __init__(self, server: grpc.aio.Server):
+    def __init__(self, server: grpc.aio.Server, budget: ByteBudget):
         self._server = server
+        self._budget = budget
 
     def add_generic_rpc_handlers(self, handlers) -> None:
-        self._server.add_generic_rpc_handlers(handlers)
+        self._server.add_generic_rpc_handlers([_Budgeted(handler, self._budget) for handler in handlers])
 
     def add_registered_method_handlers(self, service_name: str, handlers) -> None:
         pass  # the generic handler added just before serves the same methods
+
+
+class _Budgeted(grpc.GenericRpcHandler):
+    """A generic handler whose unary methods read their requests under the byte budget."""
+
+    def __init__(self, handler: grpc.GenericRpcHandler, budget: ByteBudget):
+        self._handler = handler
+        self._budget = budget
+        self._served: dict[str, grpc.RpcMethodHandler | None] = {}  # the methods are a fixed few
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        if method not in self._served:
+            found = self._handler.service(handler_call_details)
+            if found is None:
+                return None  # an unknown name is not kept: clients choose those
+            self._served[method] = reading.budgeted(found, self._budget)
+        return self._served[method]
 
 
 def build_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server:
@@ -134,12 +158,20 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
         ("grpc.max_receive_message_length", limit),
         # Without this a second runtime on the same port would bind silently.
         ("grpc.so_reuseport", 0),
+        # HTTP/2 flow control: a stream waiting for room in the byte budget
+        # (runtime/reading.py) may have at most this much of its request sent
+        # ahead into the front. Bandwidth-delay probing would grow that window
+        # to tens of MiB per stream, so it is off; a stream being read is
+        # still let send its whole message. With a window this size, calls of
+        # 1 MiB go as fast as with probing (docs/hardening.md).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ])
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
     server.add_generic_rpc_handlers([InferenceService(supervisor, settings.allow_any_method)])
-    generic_only = GenericHandlersOnly(server)
+    generic_only = GenericHandlersOnly(server, supervisor.budget)
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(ModelRuntimeServicer(settings, supervisor), generic_only)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic_only)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(

@@ -106,6 +106,25 @@ def default_preload() -> tuple[str, ...]:
     return ("numpy", *found)
 
 
+def _front_bytes_default(so_far: dict[str, Any]) -> int:
+    """A sixteenth of the container's memory: the front holds about twice what its calls hold."""
+    from runtime import memory  # reads the cgroup; only needed when the default is used
+    container = memory.container_memory(so_far["container_mem_req_bytes"])
+    return max(so_far["grpc_max_message_bytes"], container // 16)
+
+
+# Settings that must each admit a request of GRPC_MAX_MESSAGE_BYTES, or such a request could never run.
+_ADMIT_A_WHOLE_MESSAGE = ("MODEL_BYTES_MAX", "FRONT_BYTES_MAX")
+
+
+def _check_together(values: dict[str, Any]) -> None:
+    largest = values["grpc_max_message_bytes"]
+    for name in _ADMIT_A_WHOLE_MESSAGE:
+        if values[name.lower()] < largest:
+            raise SettingsError(f"{name}: must be at least GRPC_MAX_MESSAGE_BYTES ({largest}), "
+                                f"got {values[name.lower()]}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Variable:
     name: str
@@ -208,8 +227,18 @@ VARIABLES: tuple[Variable, ...] = (
              "modules the fork server imports once, before forking workers; keep the frameworks you "
              "serve in it (a worker importing one itself pays 25-140 MiB and 1-2 s per load)",
              default_text="numpy and the installed frameworks"),
-    Variable("GRPC_MAX_MESSAGE_BYTES", _int, 67108864,
-             "gRPC send and receive limit (model-mesh sends up to 16 MiB)", _at_least(4194304)),
+    Variable("GRPC_MAX_MESSAGE_BYTES", _int, 17825792,
+             "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects. grpc "
+             "copies each request on the front's event loop, so a higher limit lets one huge request "
+             "hold every other call for as long as that copy takes", _at_least(4194304)),
+    Variable("MODEL_BYTES_MAX", _int, lambda s: 4 * s["grpc_max_message_bytes"],
+             "bytes of requests one model's calls may hold in the front, waiting or in flight; a call "
+             "that would pass it gets RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+             _at_least(1), default_text="4 x GRPC_MAX_MESSAGE_BYTES"),
+    Variable("FRONT_BYTES_MAX", _int, lambda s: _front_bytes_default(s),
+             "bytes of requests all calls together may hold in the front; a call that would pass it gets "
+             "RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+             _at_least(1), default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES"),
     Variable("METRICS_PORT", _int, 2113,
              "Prometheus /metrics port (0: off)", lambda v: None if v == 0 else _port(v)),
     Variable("LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info",
@@ -233,6 +262,7 @@ class Settings(_settings_class()):
         values: dict[str, Any] = {}
         for var in VARIABLES:
             values[var.field] = _read(var, environ, values)
+        _check_together(values)
         return cls(**values)
 
 

@@ -71,6 +71,18 @@ def queue_full(model_id: str, limit: int) -> RpcError:
                     f"{limit} requests for {model_id!r} already wait for a free worker (MODEL_QUEUE_MAX)")
 
 
+def over_byte_budget(model_id: str, size: int, held: int, setting: str, limit: int) -> RpcError:
+    whose = f"calls for {model_id!r}" if setting == "MODEL_BYTES_MAX" else "calls"
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"a {size}-byte request for {model_id!r} does not fit: {whose} already hold {held} "
+                    f"bytes in the front, and {setting}={limit}")
+
+
+def response_too_large(model_id: str, size: int, limit: int) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the response of {model_id!r} is {size} bytes, over GRPC_MAX_MESSAGE_BYTES={limit}")
+
+
 def over_memory_limit(model_id: str, reason: str) -> RpcError:
     return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the worker serving {model_id!r} was killed, {reason}; the model is reloading")
@@ -84,6 +96,16 @@ def request_too_long(model_id: str, limit_ms: int) -> RpcError:
 
 def deadline_exceeded(model_id: str) -> RpcError:
     return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request for {model_id!r} ran past its deadline")
+
+
+def read_line_full(waiting: int, limit: int) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{waiting} calls already wait for room in FRONT_BYTES_MAX={limit} to be read")
+
+
+def deadline_passed_before_reading() -> RpcError:
+    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the call's deadline passed while it waited for room in FRONT_BYTES_MAX to be read")
 
 
 def unavailable(message: str) -> RpcError:
@@ -125,7 +147,14 @@ def describe_exit(exit_code: int | None) -> str:
 
 
 async def abort(context, error: RpcError):
-    """Ends the call with the error's status (raises, as grpc.aio's abort does)."""
+    """Ends the call with the error's status (raises, as grpc.aio's abort does).
+
+    The error's traceback and the exceptions chained to it are dropped first:
+    they hold the frames the error passed through, and with them the call's
+    request bytes, until the cyclic garbage collector runs, which may be many
+    megabytes of refused requests later.
+    """
+    error.__traceback__ = error.__context__ = error.__cause__ = None
     await context.abort(error.code, error.message)
 
 

@@ -28,6 +28,7 @@ import time
 
 from protos import wire
 from runtime import memory, status
+from runtime.budget import ByteBudget
 from runtime.metrics import Metrics
 from runtime.channel import PeerGone
 from runtime.modelspec import ModelSpec
@@ -79,6 +80,8 @@ class Supervisor:
         self.capacity_bytes = 0  # as last reported to model-mesh
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
+        self.budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max,
+                                 settings.grpc_max_message_bytes)
         self._watchdog: asyncio.Task | None = None
 
     @property
@@ -338,7 +341,11 @@ class Supervisor:
         while True:
             await asyncio.sleep(0.5)
             workers = [w for m in self.models() for w in m.replicas.workers if w.alive]
-            sizes = await asyncio.to_thread(_sizes, workers)
+            try:
+                sizes = await asyncio.to_thread(_sizes, workers)
+            except Exception:  # an unexpected error from /proc must not end the watch for good
+                log.exception("the memory watchdog could not measure the workers; trying again")
+                continue
             for worker, size in zip(workers, sizes):
                 if size > limit:
                     worker.kill("memory", f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
@@ -368,6 +375,14 @@ class Supervisor:
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
         """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
         model = self._ready_model(model_id)
+        self.budget.reserve(model_id, len(request))
+        try:
+            return await self._call(model, method, request, timeout)
+        finally:
+            self.budget.release(model_id, len(request))
+
+    async def _call(self, model: Model, method: str, request: bytes, timeout: float | None) -> bytes:
+        model_id = model.model_id
         worker = None
         try:
             if timeout is None:  # no deadline, no timer
@@ -389,7 +404,12 @@ class Supervisor:
             worker.last_error = str(reply.get("message", ""))
             raise status.from_worker(model_id, reply)
         worker.served += 1
-        return _joined(payloads, reply.get("append_field"))
+        response = _joined(payloads, reply.get("append_field"))
+        if len(response) > self.settings.grpc_max_message_bytes:  # grpc would fail it with a traceback
+            error = status.response_too_large(model_id, len(response), self.settings.grpc_max_message_bytes)
+            log.warning("%s", error.message, extra={"model_id": model_id})
+            raise error
+        return response
 
     def _send_call(self, model: Model, worker: Worker, method: str, request: bytes,
                    deadline: float | None) -> asyncio.Future:
@@ -422,13 +442,7 @@ class Supervisor:
 
 def _sizes(workers: list[Worker]) -> list[int]:
     """USS of each worker (0 for one that just ended); blocking, so run in a thread."""
-    sizes = []
-    for worker in workers:
-        try:
-            sizes.append(memory.uss(worker.pid))
-        except Exception:
-            sizes.append(0)
-    return sizes
+    return [memory.uss_or_zero(worker.pid) for worker in workers]
 
 
 def _joined(payloads: list, append_field: int | None) -> bytes:

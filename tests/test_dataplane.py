@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from harness import MiB, mesh_headers
 from protos import grpc_predict_v2_pb2 as v2
+from runtime.budget import ByteBudget
 from runtime.dataplane import ROUTED_HANDLERS_MAX, InferenceService
 
 MODEL = """
@@ -222,6 +223,7 @@ class _RecordingSupervisor:
 
     def __init__(self):
         self.called: list[str] = []
+        self.budget = ByteBudget(per_model=MiB, total=MiB, largest_request=MiB)
 
     async def call(self, model_id, method, request, timeout):
         self.called.append(model_id)
@@ -237,13 +239,16 @@ def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
     service = InferenceService(supervisor, allow_any_method=False)
     ids = [f"model-{number}" for number in range(ROUTED_HANDLERS_MAX + 10)] + ["model-1", "model-1"]
 
-    context = types.SimpleNamespace(time_remaining=lambda: None)
+    async def read():
+        return b""
+
+    context = types.SimpleNamespace(time_remaining=lambda: None, read=read)
 
     async def call_each():
         for model_id in ids:
             handler = service.service(details("/inference.GRPCInferenceService/ModelInfer",
                                               (("mm-model-id", model_id),)))
-            await handler.unary_unary(b"", context)
+            await handler.stream_unary(iter(()), context)
             assert len(service._routed) <= ROUTED_HANDLERS_MAX
 
     asyncio.run(call_each())

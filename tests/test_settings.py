@@ -20,7 +20,8 @@ def test_defaults_match_the_design():
     assert s.loadtime_timeout == 90000
     assert s.max_loading_concurrency == 2
     assert s.workers_warm == 2
-    assert s.grpc_max_message_bytes == 64 * 1024 * 1024
+    # model-mesh's own 16 MiB limit plus 1 MiB for the id it injects
+    assert s.grpc_max_message_bytes == 17 * 1024 * 1024
     assert s.container_mem_req_bytes is None
     assert s.worker_preload[0] == "numpy"
     assert s.runtime_dir.endswith(f"mesh-runtime-{os.getuid()}-8085")
@@ -48,6 +49,8 @@ def test_values_are_typed():
     ("ROOT_MODEL_DIR", "models", "absolute path"),
     ("LOG_LEVEL", "loud", "one of"),
     ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
+    ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
+    ("FRONT_BYTES_MAX", "1000", "at least GRPC_MAX_MESSAGE_BYTES"),
 ])
 def test_bad_value_names_the_variable(name, value, words):
     with pytest.raises(config.SettingsError) as error:
@@ -90,3 +93,11 @@ def test_uvloop_chosen_but_not_installed_names_the_way_out_and_the_default_falls
 
 def test_uvloop_is_the_default_where_installed():
     assert config.Settings.from_env({}).event_loop == "uvloop"
+
+
+def test_byte_budgets_follow_the_message_limit_and_the_container():
+    s = config.Settings.from_env({"GRPC_MAX_MESSAGE_BYTES": str(8 * 2**20), "CONTAINER_MEM_REQ_BYTES": str(2**30)})
+    assert s.model_bytes_max == 32 * 2**20
+    assert s.front_bytes_max == 2**30 // 16
+    small_pod = config.Settings.from_env({"CONTAINER_MEM_REQ_BYTES": str(64 * 2**20)})
+    assert small_pod.front_bytes_max == small_pod.grpc_max_message_bytes  # never below one whole request

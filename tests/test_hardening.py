@@ -1,0 +1,302 @@
+"""Hostile clients: one request must not stall the front, big calls must not grow it without bound,
+and an id that cannot be logged or titled is refused before any worker is touched."""
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+
+from harness import MiB, Runtime, mesh_headers, wait_until
+from protos import grpc_predict_v2_pb2 as v2
+from protos import model_runtime_pb2 as mm
+from protos import wire
+from runtime import dataplane, status
+from runtime.budget import READ_LINE_MAX, ByteBudget
+from runtime.server import STREAM_WINDOW_BYTES
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+SLOW_MODEL = """
+    import time
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            x = inputs["x"]
+            if x.size > 1000:
+                time.sleep(0.2)
+            return {"n": np.array([x.size], dtype=np.int64)}
+"""
+
+BIG_OUTPUT_MODEL = """
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            return {"big": np.zeros(int(inputs["x"][0]), dtype=np.uint8)}
+"""
+
+
+def _code(error_or_none) -> grpc.StatusCode:
+    return grpc.StatusCode.OK if error_or_none is None else error_or_none.code()
+
+
+def _call(channel, body: bytes, metadata=None, timeout: float = 60):
+    try:
+        channel.unary_unary(INFER)(body, metadata=metadata, timeout=timeout)
+        return None
+    except grpc.RpcError as error:
+        return error
+
+
+def _raw_request(model_id: str, data: bytes) -> bytes:
+    request = v2.ModelInferRequest(model_name=model_id)
+    request.inputs.add(name="x", datatype="UINT8", shape=[len(data)])
+    request.raw_input_contents.append(data)
+    return request.SerializeToString()
+
+
+# -- the model id search is bounded ----------------------------------------------------------
+
+
+def test_model_id_found_within_the_bound_even_when_appended_last():
+    body = b"\x10\x00" * (dataplane.ID_SEARCH_MAX_FIELDS - 1) + b"\x0a\x01m"
+    assert dataplane.model_id_in_request(body) == "m"
+
+
+def test_model_id_past_the_bound_is_invalid_argument_without_walking_on():
+    body = b"\x10\x00" * dataplane.ID_SEARCH_MAX_FIELDS + b"\x0a\x01m"
+    with pytest.raises(status.RpcError) as raised:
+        dataplane.model_id_in_request(body)
+    assert raised.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "mm-model-id" in raised.value.message
+
+
+def test_every_walk_of_the_wire_format_is_bounded():
+    body = b"\x10\x00" * (wire.MAX_FIELDS + 1)
+    with pytest.raises(wire.TooManyFields):
+        wire.split_bytes_field(body, 7)
+    assert wire.split_bytes_field(b"\x10\x00" * wire.MAX_FIELDS, 7)[1] == []
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A runtime that judges workers after 2 s of silence, so a stall of the front would show."""
+    with Runtime(WORKER_HEARTBEAT_TIMEOUT_MS="2000", LOADTIME_TIMEOUT="20000") as runtime:
+        runtime.load("m", runtime.model_dir("m"))
+        yield runtime
+
+
+def _poll_server_live(runtime, stop: threading.Event, latencies: list, failures: list) -> None:
+    channel = grpc.insecure_channel(f"127.0.0.1:{runtime.port}")
+    live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+    request = v2.ServerLiveRequest().SerializeToString()
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                live(request, timeout=5)
+                latencies.append(time.monotonic() - started)
+            except grpc.RpcError as error:
+                failures.append(error.code())
+            stop.wait(0.1)
+    finally:
+        channel.close()
+
+
+HOSTILE_BODIES = {
+    # Field 2 over and over; field 1 never comes. Over the default GRPC_MAX_MESSAGE_BYTES, grpc
+    # refuses it before copying it onto the event loop; under it, the id search gives up early.
+    "60 MiB": (b"\x10\x00" * (30 * MiB), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "16 MiB": (b"\x10\x00" * (8 * MiB), grpc.StatusCode.INVALID_ARGUMENT),
+}
+
+
+@pytest.mark.parametrize("size", HOSTILE_BODIES)
+def test_hostile_body_without_headers_does_not_stall_the_front(guarded, size):
+    body, expected = HOSTILE_BODIES[size]
+    worker = guarded.worker_for("m")
+    stop, latencies, failures = threading.Event(), [], []
+    poller = threading.Thread(target=_poll_server_live, args=(guarded, stop, latencies, failures))
+    poller.start()
+    try:
+        time.sleep(0.3)
+        for _ in range(3):
+            assert _code(_call(guarded.channel, body)) is expected
+        time.sleep(2.5)  # past the silence limit after the last one
+    finally:
+        stop.set()
+        poller.join()
+    assert not failures, failures
+    assert len(latencies) >= 5
+    assert max(latencies) < 0.1, f"ServerLive took up to {max(latencies) * 1000:.0f} ms"
+    assert guarded.worker_for("m").pid == worker.pid, "the model's worker was replaced"
+    log = guarded.log()
+    assert "healing" not in log and "killing" not in log, log
+    assert guarded.infer_fp32("m", [1.0]).outputs
+
+
+def test_hostile_body_under_the_limit_names_the_header_to_send(guarded):
+    error = _call(guarded.channel, HOSTILE_BODIES["16 MiB"][0])
+    assert "mm-model-id" in error.details()
+
+
+def test_a_stalled_front_judges_no_worker_on_its_own_silence(guarded):
+    worker = guarded.worker_for("m")
+    front = psutil.Process(guarded.pid)
+    front.suspend()  # its event loop stops, as under a request that holds it
+    try:
+        time.sleep(4)  # twice WORKER_HEARTBEAT_TIMEOUT_MS
+    finally:
+        front.resume()
+    wait_until(lambda: "stalled for" in guarded.log(), what="the front to notice its own stall")
+    time.sleep(2.5)
+    assert guarded.worker_for("m").pid == worker.pid
+    assert "killing" not in guarded.log()
+    assert guarded.infer_fp32("m", [2.0]).outputs
+
+
+# -- byte budgets ----------------------------------------------------------------------
+
+
+def test_byte_budget_counts_per_model_and_in_all():
+    budget = ByteBudget(per_model=100, total=150, largest_request=50)
+    budget.reserve("a", 60)
+    budget.reserve("a", 40)
+    with pytest.raises(status.RpcError) as raised:
+        budget.reserve("a", 1)
+    assert raised.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "MODEL_BYTES_MAX=100" in raised.value.message
+    budget.reserve("b", 50)
+    with pytest.raises(status.RpcError) as raised:
+        budget.reserve("c", 1)
+    assert "FRONT_BYTES_MAX=150" in raised.value.message
+    budget.release("a", 60)
+    budget.reserve("c", 10)
+    assert (budget.held_by("a"), budget.held_by("c"), budget.held) == (40, 10, 100)
+    for model_id, size in (("a", 40), ("b", 50), ("c", 10)):
+        budget.release(model_id, size)
+    assert budget.held == 0 and budget.held_by("a") == 0
+
+
+def test_reads_wait_in_line_for_room_for_the_largest_request():
+    async def scenario():
+        budget = ByteBudget(per_model=100, total=100, largest_request=40)
+        await budget.start_reading()
+        await budget.start_reading()  # 80 of 100 reserved: a third read must wait
+        third = asyncio.ensure_future(budget.start_reading())
+        given_up = asyncio.ensure_future(budget.start_reading())
+        await asyncio.sleep(0)
+        assert not third.done()
+        given_up.cancel()
+        budget.done_reading()
+        await asyncio.sleep(0)
+        assert third.done() and budget.reading == 80
+        budget.reserve("m", 30)  # held bytes count too: 30 + 80 leaves no room for another 40
+        fourth = asyncio.ensure_future(budget.start_reading())
+        budget.done_reading()
+        await asyncio.sleep(0)
+        assert not fourth.done()
+        budget.release("m", 30)
+        await asyncio.sleep(0)
+        assert fourth.done() and budget.reading == 80 and budget.held == 0
+    asyncio.run(scenario())
+
+
+def test_reads_beyond_the_line_limit_are_refused_at_once():
+    async def scenario():
+        budget = ByteBudget(per_model=100, total=100, largest_request=100)
+        await budget.start_reading()
+        waiting = [asyncio.ensure_future(budget.start_reading()) for _ in range(READ_LINE_MAX)]
+        await asyncio.sleep(0)
+        with pytest.raises(status.RpcError) as raised:
+            await budget.start_reading()
+        assert raised.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"{READ_LINE_MAX} calls already wait" in raised.value.message
+        for turn in waiting:
+            turn.cancel()
+    asyncio.run(scenario())
+
+
+BUDGET_MIB = {"GRPC_MAX_MESSAGE_BYTES": 32, "MODEL_BYTES_MAX": 96, "FRONT_BYTES_MAX": 128}
+# What the front may hold beyond its idle size while 60 calls of 30 MiB arrive at once: the calls it
+# holds and reads (FRONT_BYTES_MAX), grpc's copy of each as it is read and ZeroMQ's as it is sent, and
+# the HTTP/2 window of each stream still waiting to be read.
+FRONT_RSS_BOUND_MIB = 3 * BUDGET_MIB["FRONT_BYTES_MAX"] + 60 * STREAM_WINDOW_BYTES // MiB
+
+
+def _peak_rss(pid: int, stop: threading.Event, peak: list) -> None:
+    process = psutil.Process(pid)
+    while not stop.is_set():
+        peak[0] = max(peak[0], process.memory_info().rss)
+        time.sleep(0.005)
+
+
+def test_sixty_big_calls_to_a_slow_model_keep_the_front_bounded_and_the_small_ones_served():
+    env = {name: str(mib * MiB) for name, mib in BUDGET_MIB.items()}
+    with Runtime(**env) as runtime:
+        runtime.load("slow", runtime.model_dir("slow", SLOW_MODEL))
+        idle = psutil.Process(runtime.pid).memory_info().rss
+        big = _raw_request("slow", b"\x01" * (30 * MiB))
+        small = _raw_request("slow", b"\x01" * 10)
+        stop, peak = threading.Event(), [idle]
+        sampler = threading.Thread(target=_peak_rss, args=(runtime.pid, stop, peak))
+        sampler.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(64) as pool:
+                bigs = [pool.submit(_call, runtime.channel, big, mesh_headers("slow")) for _ in range(60)]
+                smalls = [pool.submit(_call, runtime.channel, small, mesh_headers("slow")) for _ in range(4)]
+                big_codes = [_code(f.result()) for f in bigs]
+                small_errors = [f.result() for f in smalls]
+        finally:
+            stop.set()
+            sampler.join()
+        assert small_errors == [None] * 4, small_errors
+        assert set(big_codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, big_codes
+        assert big_codes.count(grpc.StatusCode.OK) >= 1
+        assert big_codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 30
+        grown_mib = (peak[0] - idle) / MiB
+        assert grown_mib < FRONT_RSS_BOUND_MIB, f"the front grew by {grown_mib:.0f} MiB"
+        refused = _call(runtime.channel, small, mesh_headers("slow"))
+        assert refused is None, "the budget was not given back"
+
+
+# -- model ids and responses ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_id", ["a\0b", "a\nb", "forged\n2026-01-01 INFO loaded x", "tab\tid", "x\u2028y"])
+def test_model_id_with_a_control_character_is_refused_before_any_worker(rt, model_id):
+    spares = {p.pid for p in rt.spares()}
+    with pytest.raises(grpc.RpcError) as raised:
+        rt.load(model_id, rt.model_dir("ctl"))
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "control character" in raised.value.details()
+    assert {p.pid for p in rt.spares()} == spares, "a worker was spent on a refused id"
+    assert model_id not in rt.log()
+    with pytest.raises(grpc.RpcError) as raised:
+        rt.mesh.predictModelSize(mm.PredictModelSizeRequest(modelId=model_id, modelPath=rt.model_dir("ctl")))
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():
+    with Runtime(GRPC_MAX_MESSAGE_BYTES=str(4 * MiB)) as runtime:
+        runtime.load("big", runtime.model_dir("big", BIG_OUTPUT_MODEL))
+        with pytest.raises(grpc.RpcError) as raised:
+            runtime.infer_fp32("big", [5 * MiB])
+        assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "over GRPC_MAX_MESSAGE_BYTES" in raised.value.details()
+        assert runtime.infer_fp32("big", [MiB]).outputs[0].shape == [MiB]
+        log = runtime.log()
+        assert "Traceback" not in log
+        assert sum("over GRPC_MAX_MESSAGE_BYTES" in line for line in log.splitlines()) == 1
+        assert runtime.worker_for("big") is not None
