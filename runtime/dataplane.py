@@ -30,7 +30,7 @@ import grpc
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from runtime import __version__, modelspec, reading, status
-from runtime.supervisor import Supervisor
+from runtime.dispatch import Dispatcher
 from workers import protocol
 
 SERVICE = "inference.GRPCInferenceService"
@@ -85,9 +85,11 @@ async def _refuse(error: status.RpcError, request_iterator, context) -> None:
 
 
 class InferenceService(grpc.GenericRpcHandler):
-    def __init__(self, supervisor: Supervisor, allow_any_method: bool):
-        self.supervisor = supervisor
-        self.metrics = supervisor.metrics
+    def __init__(self, dispatcher: Dispatcher, allow_any_method: bool):
+        self.dispatcher = dispatcher
+        self.supervisor = dispatcher.supervisor
+        self.budget = dispatcher.budget
+        self.metrics = dispatcher.supervisor.metrics
         self.allow_any_method = allow_any_method
         # Method path -> (method, metric label), for the methods every worker serves.
         self._forwarded = {f"/{name}": self._forwarded_as(name)
@@ -103,7 +105,7 @@ class InferenceService(grpc.GenericRpcHandler):
         for name, (handler, request_type) in local.items():
             self._handlers[f"/{name}"] = reading.budgeted(grpc.unary_unary_rpc_method_handler(
                 handler, request_deserializer=request_type.FromString,
-                response_serializer=lambda message: message.SerializeToString()), supervisor.budget)
+                response_serializer=lambda message: message.SerializeToString()), self.budget)
 
     def service(self, handler_call_details):
         method = handler_call_details.method
@@ -136,19 +138,24 @@ class InferenceService(grpc.GenericRpcHandler):
 
     async def _forward(self, method: str, label: str, header_id: str, request_iterator, context) -> bytes:
         started = time.perf_counter()
-        model_id, code, request = header_id, "OK", b""
+        model_id, request = header_id, b""
         try:
-            request = await reading.read_request(self.supervisor.budget, context)
+            request = await reading.read_request(self.budget, context)
             if not model_id:
                 model_id = model_id_in_request(request)
-            return await self.supervisor.call(model_id, method, request, context.time_remaining())
+            response = await self.dispatcher.call(model_id, method, request, context.time_remaining())
         except status.RpcError as error:
-            code = error.code.name
             del request  # the abort's traceback holds this frame: not the request with it
+            # Counted first: abort() sends the status before it returns, and a
+            # client may read the metrics the moment it has its answer.
+            self._observe(model_id, label, error.code.name, started)
             await status.abort(context, error)
-        finally:
-            if self.supervisor.is_known(model_id):
-                self.metrics.observe_call(model_id, label, code, time.perf_counter() - started)
+        self._observe(model_id, label, "OK", started)
+        return response
+
+    def _observe(self, model_id: str, label: str, code: str, started: float) -> None:
+        if self.supervisor.is_known(model_id):  # ids of unknown models come from clients: not a label
+            self.metrics.observe_call(model_id, label, code, time.perf_counter() - started)
 
     async def server_live(self, request, context):
         return pb.ServerLiveResponse(live=True)

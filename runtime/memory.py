@@ -66,6 +66,11 @@ def uss_or_zero(pid: int | None) -> int:
         return 0
 
 
+def uss_each(pids: list[int | None]) -> list[int]:
+    """uss_or_zero() of each pid; blocking, so run it in a thread."""
+    return [uss_or_zero(pid) for pid in pids]
+
+
 def cgroup_limit() -> int | None:
     """The memory limit of our cgroup, or None when there is none."""
     for path in _CGROUP_LIMIT_FILES:

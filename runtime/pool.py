@@ -1,5 +1,11 @@
 """Worker processes: the fork server, warm spares, spawning, killing and reaping.
 
+The pool is the only owner of the worker socket (runtime/channel.py) and the
+only place that changes a worker's state or kills one (`kill()`, with a
+KillCause that also names the metric label). What the rest of the front
+needs from workers it asks here: `take()` a spare, `send_load()`,
+`submit_call()`, `kill()`.
+
 Every worker is forked by multiprocessing's fork server, which imported numpy,
 the frameworks and the worker code once (workers/preload.py), so a new worker
 starts in milliseconds with a few MiB of its own memory. The pool keeps
@@ -34,6 +40,7 @@ from runtime import status
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
+from runtime.worker import KillCause, Worker, WorkerState
 from workers import lifeline, protocol
 
 log = logging.getLogger("mesh.pool")
@@ -46,55 +53,6 @@ WORKER_SILENCE_LIMIT = 10.0
 STALL_SECONDS = 1.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0
-
-
-class Worker:
-    """One worker process as the front sees it."""
-
-    def __init__(self, identity: bytes, process: multiprocessing.Process):
-        loop = asyncio.get_running_loop()
-        self.identity = identity
-        self.process = process
-        self.pid: int | None = None
-        self.model_id: str | None = None
-        self.started = time.monotonic()
-        self.in_flight = 0  # calls sent and not answered yet
-        self.loading = False  # a load keeps the worker's main thread from answering pings
-        self.kill_cause = ""  # why the front killed it, when it did: a short word for metrics
-        self.kill_reason = ""  # ... and the sentence for logs and status messages
-        self.served = 0
-        self.errors = 0
-        self.last_error = ""
-        self.last_seen = self.started
-        self.ready = loop.create_future()   # resolves on the worker's hello
-        self.exited = loop.create_future()  # resolves to the exit code once reaped
-
-    @property
-    def alive(self) -> bool:
-        return not self.exited.done()
-
-    @property
-    def serving(self) -> bool:
-        """Alive and not condemned: a worker the front has killed takes no more calls."""
-        return self.alive and not self.kill_reason
-
-    def signal(self, signum: int) -> None:
-        if self.pid is not None and self.alive:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass  # already dead; the sentinel will tell
-
-    def kill(self, cause: str, reason: str) -> None:
-        """SIGKILL, remembering why: the exit handling, status codes and metrics read it."""
-        if self.alive and not self.kill_reason:
-            self.kill_cause, self.kill_reason = cause, reason
-            log.warning("killing %r: %s", self, reason,
-                        extra={"model_id": self.model_id} if self.model_id else None)
-        self.signal(signal.SIGKILL)
-
-    def __repr__(self) -> str:
-        return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"
 
 
 class WorkerPool:
@@ -161,7 +119,7 @@ class WorkerPool:
             await asyncio.gather(self._refill_task, return_exceptions=True)
         workers = list(self._workers.values())
         for worker in workers:
-            worker.signal(signal.SIGKILL)
+            self.kill(worker, KillCause.SHUTDOWN, "the front is stopping")
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
         await asyncio.get_running_loop().run_in_executor(self._spawner, _stop_multiprocessing_helpers)
@@ -175,7 +133,7 @@ class WorkerPool:
         while True:
             while self._spares:
                 worker = self._spares.popleft()
-                if worker.serving:
+                if worker.state is WorkerState.SPARE:
                     # No refill yet: on two cores a fork now would slow the load
                     # this worker is for. The caller calls replenish() when done.
                     return worker
@@ -196,6 +154,57 @@ class WorkerPool:
     def replenish(self) -> None:
         """Forks spares in the background until WORKERS_WARM are ready again."""
         self._schedule_refill()
+
+    # -- what workers are asked to do -------------------------------------------
+
+    async def send_load(self, worker: Worker, model_id: str, format_name: str, path: str) -> dict:
+        """Has a taken spare load a model; the reply header. SERVING once it loaded.
+
+        Raises PeerGone if the worker dies first.
+        """
+        if worker.state is not WorkerState.SPARE:  # died or was killed since it was taken
+            raise PeerGone(worker.exited.result() if worker.exited.done() else None)
+        worker.model_id = model_id
+        worker.change_state(WorkerState.LOADING)
+        reply, _ = await self.channel.request(worker.identity, protocol.OP_LOAD, model_id=model_id,
+                                              format=format_name, path=path)
+        if reply["ok"] and worker.state is WorkerState.LOADING:  # not killed meanwhile
+            worker.change_state(WorkerState.SERVING)
+        return reply
+
+    def submit_call(self, worker: Worker, method: str, request: bytes, deadline: float | None,
+                    on_end, overdue_after: float | None, on_overdue) -> asyncio.Future:
+        """Sends one call; the future resolves to (reply header, payload frames) or raises PeerGone.
+
+        `on_end` runs once the worker is done with the call (answered or died),
+        whether or not anyone still waits for it; `on_overdue()` runs, and its
+        error ends the call, if it is still unanswered `overdue_after` seconds
+        later (see Channel.submit).
+        """
+        return self.channel.submit(worker.identity, protocol.OP_CALL, [request], on_end=on_end,
+                                   overdue_after=overdue_after, on_overdue=on_overdue,
+                                   method=method, deadline=deadline)
+
+    def kill(self, worker: Worker, cause: KillCause, reason: str, grace: float = 0.0) -> None:
+        """Ends a worker, remembering why: the one place the front decides that a worker must go.
+
+        With a grace, SIGTERM first (a model's close() runs), SIGKILL after it.
+        The exit handling, status codes and metrics read the cause. A second
+        kill of a condemned worker only hurries it (SIGKILL), it keeps its cause.
+        """
+        if worker.state is WorkerState.EXITED:
+            return
+        if worker.state is not WorkerState.CONDEMNED:
+            worker.kill_cause, worker.kill_reason = cause, reason
+            worker.change_state(WorkerState.CONDEMNED)
+            extra = {"model_id": worker.model_id} if worker.model_id else None
+            log.log(logging.DEBUG if cause.expected else logging.WARNING, "killing %r: %s", worker, reason,
+                    extra=extra)
+            if grace > 0:
+                worker.signal(signal.SIGTERM)
+                asyncio.get_running_loop().call_later(grace, worker.signal, signal.SIGKILL)
+                return
+        worker.signal(signal.SIGKILL)
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
@@ -261,9 +270,8 @@ class WorkerPool:
             await asyncio.wait([worker.ready, worker.exited], timeout=SPAWN_TIMEOUT,
                                return_when=asyncio.FIRST_COMPLETED)
             if not worker.ready.done() and worker.alive:
-                log.error("%r did not say hello within %.0f s; killing it", worker, SPAWN_TIMEOUT)
-                worker.signal(signal.SIGKILL)
-            if worker.ready.done() and worker.alive:
+                self.kill(worker, KillCause.NO_HELLO, f"it did not say hello within {SPAWN_TIMEOUT:.0f} s")
+            if worker.ready.done() and worker.state is WorkerState.STARTING:
                 self._add_spare(worker)
         finally:
             self._starting -= 1
@@ -275,6 +283,7 @@ class WorkerPool:
         return process.pid
 
     def _add_spare(self, worker: Worker) -> None:
+        worker.change_state(WorkerState.SPARE)
         self._spares.append(worker)
         self._wake_a_waiter()
 
@@ -309,6 +318,7 @@ class WorkerPool:
             self._spares.remove(worker)
         # Exited first: failing its requests frees their replica slots at once,
         # and a dead worker must not look like the least busy one to a caller in line.
+        worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
         self.channel.fail_peer(worker.identity, code)
         log.info("%r exited (%s)", worker, status.describe_exit(code),
@@ -352,13 +362,12 @@ class WorkerPool:
                 for worker in self._workers.values():
                     worker.last_seen = max(worker.last_seen, now)
             for worker in list(self._workers.values()):
-                if not (worker.ready.done() and worker.alive):
+                if worker.state in (WorkerState.STARTING, WorkerState.CONDEMNED, WorkerState.EXITED):
                     continue
                 # A worker running a load or a call (one thread) cannot answer:
                 # LOADTIME_TIMEOUT and WORKER_REQUEST_TIMEOUT_MS watch those.
-                busy = worker.loading or worker.in_flight > 0
-                if not busy and now - worker.last_seen > silence_limit:
-                    worker.kill("hung", f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
+                if not worker.busy and now - worker.last_seen > silence_limit:
+                    self.kill(worker, KillCause.HUNG, f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
                     continue
                 try:
                     self.channel.send(worker.identity, ping)

@@ -18,7 +18,7 @@ import asyncio
 import collections
 
 from runtime import status
-from runtime.pool import Worker
+from runtime.worker import Worker
 
 # Calls a worker may hold beyond those it runs. Small: a call queued behind a
 # slow one cannot move to another replica.

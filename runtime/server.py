@@ -22,6 +22,7 @@ from runtime import __version__, reading, rundir
 from runtime.admin import AdminServer
 from runtime.budget import ByteBudget
 from runtime.dataplane import InferenceService
+from runtime.dispatch import Dispatcher
 from runtime.management import ModelRuntimeServicer
 from runtime.metrics import Metrics
 from runtime.settings import Settings
@@ -151,7 +152,8 @@ class _Budgeted(grpc.GenericRpcHandler):
         return self._served[method]
 
 
-def build_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server:
+def build_server(settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher,
+                 health_servicer) -> grpc.aio.Server:
     limit = settings.grpc_max_message_bytes
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", limit),
@@ -170,8 +172,8 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
-    server.add_generic_rpc_handlers([InferenceService(supervisor, settings.allow_any_method)])
-    generic_only = GenericHandlersOnly(server, supervisor.budget)
+    server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method)])
+    generic_only = GenericHandlersOnly(server, dispatcher.budget)
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(ModelRuntimeServicer(settings, supervisor), generic_only)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic_only)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
@@ -179,10 +181,11 @@ def build_server(settings: Settings, supervisor: Supervisor, health_servicer) ->
     return server
 
 
-async def start_grpc_server(settings: Settings, supervisor: Supervisor, health_servicer) -> grpc.aio.Server | None:
+async def start_grpc_server(settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher,
+                            health_servicer) -> grpc.aio.Server | None:
     """Builds, binds and starts the server; None, logged, if it cannot listen."""
     with grpc_threads_as_batch_work(settings):
-        server = build_server(settings, supervisor, health_servicer)
+        server = build_server(settings, supervisor, dispatcher, health_servicer)
         try:
             server.add_insecure_port(f"[::]:{settings.runtime_port}")
             if settings.runtime_socket_path:
@@ -228,6 +231,8 @@ async def serve(settings: Settings, stop_signals: StopSignals | None = None) -> 
 async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     """Starts everything, serves until `stop` is set, stops everything; returns the exit code."""
     supervisor = Supervisor(settings, Metrics())
+    budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max, settings.grpc_max_message_bytes)
+    dispatcher = Dispatcher(settings, supervisor, supervisor.pool, budget)
     health_servicer = health.aio.HealthServicer()
     if settings.metrics_port:
         try:
@@ -235,7 +240,7 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
         except OSError as error:
             log.error("cannot serve metrics on METRICS_PORT=%d: %s", settings.metrics_port, error)
             return 2
-    server = await start_grpc_server(settings, supervisor, health_servicer)
+    server = await start_grpc_server(settings, supervisor, dispatcher, health_servicer)
     if server is None:
         return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

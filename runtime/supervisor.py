@@ -8,6 +8,9 @@ awaits `gone` returns with the memory back in the OS, and nothing that
 finishes later can bring the model back: the worker that would have done it
 is dead and the table entry belongs to nobody.
 
+Inference calls are runtime/dispatch.py's; the memory limit is
+runtime/watchdog.py's; workers are asked and killed through the pool.
+
 Healing: when a worker of a READY model dies (crash, OOM kill, or killed by
 the front as hung or over its memory limit), its calls fail at once
 (UNAVAILABLE, or RESOURCE_EXHAUSTED for the memory limit) and a fresh worker
@@ -19,23 +22,19 @@ places it elsewhere.
 from __future__ import annotations
 
 import asyncio
-import collections
-import enum
 import functools
 import logging
-import signal
 import time
 
-from protos import wire
 from runtime import memory, status
-from runtime.budget import ByteBudget
-from runtime.metrics import Metrics
 from runtime.channel import PeerGone
+from runtime.metrics import Metrics
+from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
-from runtime.pool import Worker, WorkerPool
-from runtime.replicas import ReplicaSet, slots_per_worker
+from runtime.pool import WorkerPool
 from runtime.settings import Settings
-from workers import protocol
+from runtime.watchdog import watch_memory
+from runtime.worker import KillCause, Worker
 
 log = logging.getLogger("mesh.supervisor")
 
@@ -44,32 +43,7 @@ UNLOAD_GRACE_SECONDS = 2.0
 # Reload after the n-th recent crash waits HEAL_BACKOFF_SECONDS * 2**(n-1), at most the cap.
 HEAL_BACKOFF_SECONDS = 0.1
 HEAL_BACKOFF_CAP_SECONDS = 5.0
-MEMORY_LIMIT_REASON = "over WORKER_MEMORY_LIMIT_BYTES"
-REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
 LOAD_OUTCOMES = {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}
-
-
-class State(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    UNLOADING = "unloading"
-
-
-class Model:
-    def __init__(self, spec: ModelSpec, settings: Settings):
-        self.spec = spec
-        self.model_id = spec.model_id
-        self.state = State.LOADING
-        self.workers: list[Worker] = []  # every worker this model owns, loading ones included
-        slots = slots_per_worker(settings.worker_threads, settings.worker_batch_max, spec.format.batches_rows)
-        self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
-        self.size = 0
-        self.load_started = time.monotonic()
-        self.load_task: asyncio.Task | None = None
-        self.heal_task: asyncio.Task | None = None
-        self.crashes: collections.deque[float] = collections.deque()
-        self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash
-        self.gone = asyncio.get_running_loop().create_future()  # resolves once nothing is left
 
 
 class Supervisor:
@@ -80,8 +54,6 @@ class Supervisor:
         self.capacity_bytes = 0  # as last reported to model-mesh
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
-        self.budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max,
-                                 settings.grpc_max_message_bytes)
         self._watchdog: asyncio.Task | None = None
 
     @property
@@ -95,7 +67,8 @@ class Supervisor:
         await self.pool.start()
         await asyncio.to_thread(self.capacity)
         if self.settings.worker_memory_limit_bytes:
-            self._watchdog = asyncio.create_task(self._watch_memory(), name="memory-watchdog")
+            self._watchdog = asyncio.create_task(
+                watch_memory(self, self.pool, self.settings.worker_memory_limit_bytes), name="memory-watchdog")
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -121,10 +94,10 @@ class Supervisor:
     async def load(self, spec: ModelSpec) -> int:
         """Loads the model (or finds it loaded) and returns its measured size in bytes."""
         while (model := self._models.get(spec.model_id)) is not None:
-            if model.state is State.READY:
+            if model.state is ModelState.READY:
                 log.info("%s is already loaded", spec.model_id, extra={"model_id": spec.model_id})
                 return model.size
-            if model.state is State.LOADING:
+            if model.state is ModelState.LOADING:
                 try:
                     return await asyncio.shield(model.load_task)
                 except asyncio.CancelledError:
@@ -166,7 +139,7 @@ class Supervisor:
                 for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
-                sizes = await asyncio.to_thread(_sizes, model.workers)
+                sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in model.workers])
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
@@ -184,7 +157,7 @@ class Supervisor:
         model.size = sum(sizes)
         for worker in model.workers:
             model.replicas.add(worker)
-        model.state = State.READY
+        model.change_state(ModelState.READY)
         log.info("loaded %s: %.1f MiB in %.0f ms", spec.model_id, model.size / 2**20,
                  (time.monotonic() - model.load_started) * 1000, extra={"model_id": spec.model_id})
         return model.size
@@ -196,15 +169,8 @@ class Supervisor:
         model.workers.append(worker)
         return worker
 
-    async def _send_load(self, model: Model, worker: Worker) -> dict:
-        worker.loading = True
-        try:
-            reply, _ = await self.pool.channel.request(
-                worker.identity, protocol.OP_LOAD, model_id=model.model_id,
-                format=model.spec.format.name, path=model.spec.path)
-            return reply
-        finally:
-            worker.loading = False
+    def _send_load(self, model: Model, worker: Worker):
+        return self.pool.send_load(worker, model.model_id, model.spec.format.name, model.spec.path)
 
     def _after_load(self, model: Model, task: asyncio.Task) -> None:
         seconds = time.monotonic() - model.load_started
@@ -227,7 +193,7 @@ class Supervisor:
         model = self._models.get(model_id)
         if model is None:
             return
-        grace = UNLOAD_GRACE_SECONDS if model.state is State.READY else 0.0
+        grace = UNLOAD_GRACE_SECONDS if model.state is ModelState.READY else 0.0
         model.unload_requested = True
         self._discard(model, grace)
         await asyncio.shield(model.gone)
@@ -245,9 +211,9 @@ class Supervisor:
 
     def _discard(self, model: Model, grace: float = 0.0) -> None:
         """Starts removing a model: stop its load or heal, end its workers; `gone` resolves when done."""
-        if model.state is State.UNLOADING:
+        if model.state is ModelState.UNLOADING:
             return
-        model.state = State.UNLOADING
+        model.change_state(ModelState.UNLOADING)
         for task in (model.load_task, model.heal_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -263,14 +229,9 @@ class Supervisor:
             if not remaining:
                 self._forget(model)
 
-        loop = asyncio.get_running_loop()
         for worker in alive:
             worker.exited.add_done_callback(functools.partial(reaped, worker))
-            if grace > 0:
-                worker.signal(signal.SIGTERM)
-                loop.call_later(grace, worker.signal, signal.SIGKILL)
-            else:
-                worker.signal(signal.SIGKILL)
+            self.pool.kill(worker, KillCause.UNLOAD, f"{model.model_id} is unloaded", grace)
 
     def _forget(self, model: Model) -> None:
         if self._models.get(model.model_id) is model:
@@ -285,12 +246,12 @@ class Supervisor:
     def _on_worker_exit(self, worker: Worker, exit_code: int | None) -> None:
         model = self._models.get(worker.model_id) if worker.model_id else None
         # A loading model learns of the death from its pending load request.
-        if model is None or model.state is not State.READY or worker not in model.workers:
+        if model is None or model.state is not ModelState.READY or worker not in model.workers:
             return
         model.workers.remove(worker)
         model.replicas.remove(worker)
         cause = worker.kill_reason or status.describe_exit(exit_code)
-        self.metrics.observe_restart(model.model_id, worker.kill_cause or "crash")
+        self.metrics.observe_restart(model.model_id, worker.death_label)
         if self._crash_limit_reached(model):
             log.error("dropping %s: its workers died %d times within %d ms (last: %s); "
                       "model-mesh will place it elsewhere", model.model_id, len(model.crashes),
@@ -311,7 +272,7 @@ class Supervisor:
 
     async def _heal(self, model: Model) -> None:
         """Reloads the model into fresh workers until it has all its replicas again."""
-        while model.state is State.READY and len(model.workers) < self.settings.model_replicas:
+        while model.state is ModelState.READY and len(model.workers) < self.settings.model_replicas:
             await asyncio.sleep(min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1)))
             try:
                 worker = await self._take_worker(model)
@@ -332,29 +293,16 @@ class Supervisor:
                 log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
             else:
                 # Counted as a crash by _on_worker_exit, which may drop the model.
-                worker.kill("reload_failed", f"reload failed: {reply.get('message', 'its worker died')}")
+                self.pool.kill(worker, KillCause.RELOAD_FAILED,
+                               f"reload failed: {reply.get('message', 'its worker died')}")
                 await asyncio.shield(worker.exited)
 
-    async def _watch_memory(self) -> None:
-        """Kills a model worker whose USS grows past WORKER_MEMORY_LIMIT_BYTES."""
-        limit = self.settings.worker_memory_limit_bytes
-        while True:
-            await asyncio.sleep(0.5)
-            workers = [w for m in self.models() for w in m.replicas.workers if w.alive]
-            try:
-                sizes = await asyncio.to_thread(_sizes, workers)
-            except Exception:  # an unexpected error from /proc must not end the watch for good
-                log.exception("the memory watchdog could not measure the workers; trying again")
-                continue
-            for worker, size in zip(workers, sizes):
-                if size > limit:
-                    worker.kill("memory", f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
+    # -- the table, as others read it ------------------------------------------------
 
-    # -- inference ------------------------------------------------------------------
-
-    def _ready_model(self, model_id: str) -> Model:
+    def ready_model(self, model_id: str) -> Model:
+        """The model, if it is loaded and ready; else NOT_FOUND."""
         model = self._models.get(model_id)
-        if model is None or model.state is not State.READY:
+        if model is None or model.state is not ModelState.READY:
             raise status.model_not_found(model_id)
         return model
 
@@ -363,97 +311,11 @@ class Supervisor:
 
     def is_ready(self, model_id: str) -> bool:
         model = self._models.get(model_id)
-        return model is not None and model.state is State.READY
+        return model is not None and model.state is ModelState.READY
 
     async def model_size(self, model_id: str) -> int:
-        model = self._ready_model(model_id)
-        sizes = await asyncio.to_thread(_sizes, model.replicas.workers)
+        model = self.ready_model(model_id)
+        sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in model.replicas.workers])
         if len(sizes) == self.settings.model_replicas and all(sizes):
             model.size = sum(sizes)
         return model.size  # while healing: the last full measurement
-
-    async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
-        """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
-        model = self._ready_model(model_id)
-        self.budget.reserve(model_id, len(request))
-        try:
-            return await self._call(model, method, request, timeout)
-        finally:
-            self.budget.release(model_id, len(request))
-
-    async def _call(self, model: Model, method: str, request: bytes, timeout: float | None) -> bytes:
-        model_id = model.model_id
-        worker = None
-        try:
-            if timeout is None:  # no deadline, no timer
-                worker = model.replicas.try_acquire()
-                if worker is None:
-                    worker = await model.replicas.acquire()
-                reply, payloads = await self._send_call(model, worker, method, request, None)
-            else:
-                deadline = time.time() + timeout  # from arrival: time in line counts too
-                async with asyncio.timeout(timeout):
-                    worker = await model.replicas.acquire()
-                    reply, payloads = await self._send_call(model, worker, method, request, deadline)
-        except TimeoutError:
-            raise status.deadline_exceeded(model_id) from None
-        except PeerGone as gone:
-            raise self._death_status(model, worker, gone.exit_code) from None
-        if not reply["ok"]:
-            worker.errors += 1
-            worker.last_error = str(reply.get("message", ""))
-            raise status.from_worker(model_id, reply)
-        worker.served += 1
-        response = _joined(payloads, reply.get("append_field"))
-        if len(response) > self.settings.grpc_max_message_bytes:  # grpc would fail it with a traceback
-            error = status.response_too_large(model_id, len(response), self.settings.grpc_max_message_bytes)
-            log.warning("%s", error.message, extra={"model_id": model_id})
-            raise error
-        return response
-
-    def _send_call(self, model: Model, worker: Worker, method: str, request: bytes,
-                   deadline: float | None) -> asyncio.Future:
-        """Sends the call; its replica slot is freed when the worker is done with it.
-
-        A caller that gives up cancels only the future: the call stays counted
-        on its worker until the worker answers (a busy worker is not idle),
-        and WORKER_REQUEST_TIMEOUT_MS still ends a worker stuck in it.
-        """
-        limit_ms = self.settings.worker_request_timeout_ms
-        return self.pool.channel.submit(
-            worker.identity, protocol.OP_CALL, [request],
-            on_end=lambda: model.replicas.release(worker),
-            overdue_after=limit_ms / 1000 if limit_ms else None,
-            on_overdue=lambda: self._call_overdue(worker, limit_ms),
-            method=method, deadline=deadline)
-
-    def _call_overdue(self, worker: Worker, limit_ms: int) -> status.RpcError:
-        """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""
-        worker.kill("request_timeout", f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
-        return status.request_too_long(worker.model_id, limit_ms)
-
-    def _death_status(self, model: Model, worker: Worker, exit_code: int | None) -> status.RpcError:
-        if model.unload_requested:  # the documented race: a request just as mesh unloads
-            return status.model_not_found(model.model_id)
-        if worker.kill_cause == "memory":
-            return status.over_memory_limit(model.model_id, worker.kill_reason)
-        return status.worker_died(model.model_id, "call", exit_code)
-
-
-def _sizes(workers: list[Worker]) -> list[int]:
-    """USS of each worker (0 for one that just ended); blocking, so run in a thread."""
-    return [memory.uss_or_zero(worker.pid) for worker in workers]
-
-
-def _joined(payloads: list, append_field: int | None) -> bytes:
-    """The response: the first frame, plus each further frame appended as field `append_field`.
-
-    The frames are still ZeroMQ's buffers: this is the one copy the front makes.
-    """
-    if len(payloads) == 1:
-        return bytes(payloads[0])
-    parts = [payloads[0]]
-    for extra in payloads[1:]:
-        parts.append(wire.bytes_field_header(append_field, len(extra)))
-        parts.append(extra)
-    return b"".join(parts)

@@ -216,27 +216,23 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
     assert outcome[0][0] == grpc.StatusCode.NOT_FOUND
 
 
-class _RecordingSupervisor:
-    """Stands in for the supervisor behind InferenceService: records which model each call was for."""
-
-    metrics = None
+class _RecordingDispatcher:
+    """Stands in for the dispatcher behind InferenceService: records which model each call was for."""
 
     def __init__(self):
         self.called: list[str] = []
         self.budget = ByteBudget(per_model=MiB, total=MiB, largest_request=MiB)
+        self.supervisor = types.SimpleNamespace(metrics=None, is_known=lambda model_id: False)
 
     async def call(self, model_id, method, request, timeout):
         self.called.append(model_id)
         return b""
 
-    def is_known(self, model_id):
-        return False
-
 
 def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
     details = collections.namedtuple("Details", "method invocation_metadata")
-    supervisor = _RecordingSupervisor()
-    service = InferenceService(supervisor, allow_any_method=False)
+    dispatcher = _RecordingDispatcher()
+    service = InferenceService(dispatcher, allow_any_method=False)
     ids = [f"model-{number}" for number in range(ROUTED_HANDLERS_MAX + 10)] + ["model-1", "model-1"]
 
     async def read():
@@ -252,4 +248,4 @@ def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
             assert len(service._routed) <= ROUTED_HANDLERS_MAX
 
     asyncio.run(call_each())
-    assert supervisor.called == ids
+    assert dispatcher.called == ids

@@ -55,7 +55,7 @@ def test_inspect_workers_table_json_and_healthy_exit(ops):
     lines = done.stdout.splitlines()
     assert lines[0].split()[:4] == ["PID", "ROLE", "MODEL", "STATE"]
     model_rows = [line for line in lines if " table-model " in line]
-    assert len(model_rows) == 2 and all(" ready " in line for line in model_rows)
+    assert len(model_rows) == 2 and all(" serving " in line for line in model_rows)
     assert any(" spare " in line for line in lines[1:])
     parsed = json.loads(script("inspect-workers", "--json", *rd(ops)).stdout)
     pids = {row["pid"] for row in parsed["workers"] if row["model"] == "table-model"}

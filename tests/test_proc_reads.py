@@ -1,4 +1,4 @@
-"""Reading /proc about processes that exit under us: runtime/memory.py, supervisor._sizes, the admin commands.
+"""Reading /proc about processes that exit under us: runtime/memory.py, memory.uss_each, the admin commands.
 
 The contract: memory.uss and memory.pss raise psutil.NoSuchProcess for a
 process that is gone (exiting, a zombie, reaped) and psutil.AccessDenied for
@@ -20,7 +20,7 @@ import types
 import psutil
 import pytest
 
-from runtime import memory, supervisor
+from runtime import memory
 from runtime.admin import AdminError, kill, stacks
 from runtime.admin import workers as admin_workers
 
@@ -51,10 +51,6 @@ def zombie() -> subprocess.Popen:
     return child
 
 
-def worker(pid):
-    return types.SimpleNamespace(pid=pid)
-
-
 # -- (a) real processes dying while we read them ------------------------------------------
 
 def _read_everything(pid: int, outcomes: dict) -> None:
@@ -66,7 +62,7 @@ def _read_everything(pid: int, outcomes: dict) -> None:
         except psutil.Error as error:
             outcomes[type(error).__name__] += 1
     assert memory.uss_or_zero(pid) >= 0
-    assert all(size >= 0 for size in supervisor._sizes([worker(pid), worker(None)]))
+    assert all(size >= 0 for size in memory.uss_each([pid, None]))
     assert memory.tree_pss(ME) > 0
 
 
@@ -151,7 +147,7 @@ def test_uss_and_pss_raise_psutil_errors(rollup_fails, child, error):
 def test_uss_or_zero_and_sizes_answer_zero(rollup_fails, child, error):
     rollup_fails(error)
     assert memory.uss_or_zero(child.pid) == 0
-    assert supervisor._sizes([worker(child.pid), worker(ME), worker(None)]) == [0, 30 * 1024, 0]
+    assert memory.uss_each([child.pid, ME, None]) == [0, 30 * 1024, 0]
 
 
 @pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
@@ -175,12 +171,12 @@ def test_real_zombie_and_reaped_process():
             memory.uss(child.pid)
         with pytest.raises(psutil.NoSuchProcess):
             memory.pss(child.pid)
-        assert supervisor._sizes([worker(child.pid)]) == [0]
+        assert memory.uss_each([child.pid]) == [0]
     finally:
         child.wait()
     with pytest.raises(psutil.NoSuchProcess):
         memory.uss(child.pid)
-    assert supervisor._sizes([worker(child.pid)]) == [0]
+    assert memory.uss_each([child.pid]) == [0]
 
 
 def test_psutil_fallback_without_smaps_rollup(monkeypatch, child):
@@ -231,13 +227,15 @@ def test_stacks_file_deleted_while_waiting(tmp_path):
 
 
 def test_kill_a_worker_whose_process_is_gone():
-    from runtime.pool import Worker
+    from runtime.pool import WorkerPool
+    from runtime.worker import KillCause, Worker
 
     async def scenario():
         target = Worker(b"w-1", process=None)
         target.pid = NO_SUCH_PID  # as if it had ended and not yet been reaped
-        fake = types.SimpleNamespace(pool=types.SimpleNamespace(workers=lambda: [target]))
-        return target, await kill.run(fake, [str(target.pid)])
+        pool = types.SimpleNamespace(workers=lambda: [target])
+        pool.kill = lambda *args: WorkerPool.kill(pool, *args)  # the pool's own kill, without a pool
+        return target, await kill.run(types.SimpleNamespace(pool=pool), [str(target.pid)])
 
     target, killed = asyncio.run(scenario())
-    assert killed == [target.pid] and target.kill_cause == "operator"
+    assert killed == [target.pid] and target.kill_cause is KillCause.OPERATOR

@@ -24,7 +24,7 @@ from runtime.admin import socket_path
 from runtime.settings import Settings, SettingsError
 
 TIMEOUT_MS = 3000
-COLUMNS = [("pid", 7), ("role", 5), ("model", 28), ("state", 8), ("uptime", 8), ("uss", 9),
+COLUMNS = [("pid", 7), ("role", 5), ("model", 28), ("state", 9), ("uptime", 8), ("uss", 9),
            ("rss", 9), ("cpu%", 6), ("inflight", 8), ("served", 8), ("errors", 6), ("last_error", 0)]
 OK, DEGRADED, UNREACHABLE = 0, 1, 2
 

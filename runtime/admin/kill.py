@@ -7,6 +7,7 @@ crashes). A killed spare is replaced by the pool.
 from __future__ import annotations
 
 from runtime.admin import AdminError, find_workers
+from runtime.worker import KillCause
 
 
 async def run(supervisor, args: list[str]) -> list[int]:
@@ -14,5 +15,5 @@ async def run(supervisor, args: list[str]) -> list[int]:
         raise AdminError("usage: kill PID|MODEL")
     workers = find_workers(supervisor, args[0])
     for worker in workers:
-        worker.kill("operator", "killed by an operator (kill command)")
+        supervisor.pool.kill(worker, KillCause.OPERATOR, "killed by an operator (kill command)")
     return [w.pid for w in workers]

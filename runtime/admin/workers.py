@@ -1,7 +1,7 @@
 """workers: one row per worker process.
 
 Each row: pid, role (spare or model), model id, state (starting, spare,
-loading, ready, killed), uptime in seconds, USS and RSS in bytes, CPU % since
+loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS and RSS in bytes, CPU % since
 the last `workers` call, calls in flight, calls served, calls failed, and the
 last error.
 """
@@ -15,16 +15,6 @@ import psutil
 from runtime import memory
 
 _processes: dict[int, psutil.Process] = {}  # kept between calls so cpu_percent has a baseline
-
-
-def _state(worker) -> str:
-    if worker.kill_reason:
-        return "killed"
-    if not worker.ready.done():
-        return "starting"
-    if worker.loading:
-        return "loading"
-    return "ready" if worker.model_id else "spare"
 
 
 def _measure(pids: list[int]) -> dict[int, tuple[int, int, float]]:
@@ -57,7 +47,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
         uss, rss, cpu = figures[worker.pid]
         rows.append({
             "pid": worker.pid, "role": "model" if worker.model_id else "spare",
-            "model": worker.model_id or "", "state": _state(worker),
+            "model": worker.model_id or "", "state": worker.state.value,
             "uptime_s": round(now - worker.started, 1), "uss_bytes": uss, "rss_bytes": rss,
             "cpu_percent": cpu, "in_flight": worker.in_flight, "served": worker.served,
             "errors": worker.errors, "last_error": worker.last_error or worker.kill_reason,

@@ -1,0 +1,121 @@
+"""One inference call, from the data plane to a worker and back.
+
+`Dispatcher.call()` reads top to bottom: find the ready model, count the
+request against the byte budget, pick the least busy replica (or wait in the
+model's line), send the request bytes, await the reply, map the outcome to a
+status, splice the reply's frames into one response. The model's life cycle
+(load, heal, unload) is the supervisor's; the worker socket is the pool's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from protos import wire
+from runtime import status
+from runtime.budget import ByteBudget
+from runtime.channel import PeerGone
+from runtime.pool import WorkerPool
+from runtime.settings import Settings
+from runtime.model import Model
+from runtime.supervisor import Supervisor
+from runtime.worker import KillCause, Worker
+
+log = logging.getLogger("mesh.dispatch")
+
+REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, supervisor: Supervisor, pool: WorkerPool, budget: ByteBudget):
+        self.supervisor = supervisor
+        self.pool = pool
+        self.budget = budget
+        self.largest_response = settings.grpc_max_message_bytes
+        self.request_limit_ms = settings.worker_request_timeout_ms
+
+    async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
+        """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
+        model = self.supervisor.ready_model(model_id)
+        self.budget.reserve(model_id, len(request))
+        try:
+            worker, reply, frames = await self._run(model, method, request, timeout)
+        finally:
+            self.budget.release(model_id, len(request))
+        if not reply["ok"]:
+            worker.errors += 1
+            worker.last_error = str(reply.get("message", ""))
+            raise status.from_worker(model_id, reply)
+        worker.served += 1
+        return self._response(model_id, frames, reply.get("append_field"))
+
+    async def _run(self, model: Model, method: str, request: bytes, timeout: float | None
+                   ) -> tuple[Worker, dict, list]:
+        """Picks a replica, sends the call and awaits its reply; the deadline covers time in line too."""
+        worker = None
+        try:
+            if timeout is None:  # no deadline, no timer
+                worker = model.replicas.try_acquire() or await model.replicas.acquire()
+                reply, frames = await self._send(model, worker, method, request, None)
+            else:
+                deadline = time.time() + timeout
+                async with asyncio.timeout(timeout):
+                    worker = await model.replicas.acquire()
+                    reply, frames = await self._send(model, worker, method, request, deadline)
+        except TimeoutError:
+            raise status.deadline_exceeded(model.model_id) from None
+        except PeerGone as gone:
+            raise _death_status(model, worker, gone.exit_code) from None
+        return worker, reply, frames
+
+    def _send(self, model: Model, worker: Worker, method: str, request: bytes,
+              deadline: float | None) -> asyncio.Future:
+        """Sends the call; its replica slot is freed when the worker is done with it.
+
+        A caller that gives up cancels only the future: the call stays counted
+        on its worker until the worker answers (a busy worker is not idle),
+        and WORKER_REQUEST_TIMEOUT_MS still ends a worker stuck in it.
+        """
+        limit_ms = self.request_limit_ms
+        return self.pool.submit_call(
+            worker, method, request, deadline,
+            on_end=lambda: model.replicas.release(worker),
+            overdue_after=limit_ms / 1000 if limit_ms else None,
+            on_overdue=lambda: self._overdue(worker))
+
+    def _overdue(self, worker: Worker) -> status.RpcError:
+        """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""
+        limit_ms = self.request_limit_ms
+        self.pool.kill(worker, KillCause.REQUEST_TIMEOUT, f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
+        return status.request_too_long(worker.model_id or "", limit_ms)
+
+    def _response(self, model_id: str, frames: list, append_field: int | None) -> bytes:
+        response = spliced(frames, append_field)
+        if len(response) > self.largest_response:  # grpc would fail it with a traceback
+            error = status.response_too_large(model_id, len(response), self.largest_response)
+            log.warning("%s", error.message, extra={"model_id": model_id})
+            raise error
+        return response
+
+
+def _death_status(model: Model, worker: Worker | None, exit_code: int | None) -> status.RpcError:
+    if model.unload_requested:  # the documented race: a request just as mesh unloads
+        return status.model_not_found(model.model_id)
+    if worker is not None and worker.kill_cause is KillCause.MEMORY:
+        return status.over_memory_limit(model.model_id, worker.kill_reason)
+    return status.worker_died(model.model_id, "call", exit_code)
+
+
+def spliced(frames: list, append_field: int | None) -> bytes:
+    """The response: the first frame, plus each further frame appended as field `append_field`.
+
+    The frames are still ZeroMQ's buffers: this is the one copy the front makes.
+    """
+    if len(frames) == 1:
+        return bytes(frames[0])
+    parts = [frames[0]]
+    for extra in frames[1:]:
+        parts.append(wire.bytes_field_header(append_field, len(extra)))
+        parts.append(extra)
+    return b"".join(parts)

@@ -1,0 +1,59 @@
+"""A model in the front's table: its spec, state, workers, line of calls, and crash record.
+
+    LOADING ──loaded──► READY ──unloadModel, purge, dropped──► UNLOADING ──reaped──► (gone)
+       └──── load failed, timed out or cancelled ──────────────────┘
+
+`change_state()` refuses any other move. The supervisor makes every move
+(runtime/supervisor.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import time
+
+from runtime.modelspec import ModelSpec
+from runtime.replicas import ReplicaSet, slots_per_worker
+from runtime.settings import Settings
+from runtime.worker import IllegalTransition, Worker
+
+
+class ModelState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+
+
+_MOVES = {
+    ModelState.LOADING: {ModelState.READY, ModelState.UNLOADING},
+    ModelState.READY: {ModelState.UNLOADING},
+    ModelState.UNLOADING: set(),
+}
+
+
+class Model:
+    def __init__(self, spec: ModelSpec, settings: Settings):
+        self.spec = spec
+        self.model_id = spec.model_id
+        self.state = ModelState.LOADING
+        self.workers: list[Worker] = []  # every worker this model owns, loading ones included
+        slots = slots_per_worker(settings.worker_threads, settings.worker_batch_max, spec.format.batches_rows)
+        self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
+        self.size = 0
+        self.load_started = time.monotonic()
+        self.load_task: asyncio.Task | None = None
+        self.heal_task: asyncio.Task | None = None
+        self.crashes: collections.deque[float] = collections.deque()
+        self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash
+        self.gone = asyncio.get_running_loop().create_future()  # resolves once nothing is left
+
+    def change_state(self, new: ModelState) -> None:
+        if new not in _MOVES[self.state]:
+            raise IllegalTransition(f"model {self.model_id!r}: {self.state.value} -> {new.value} "
+                                    "is not a move a model makes")
+        self.state = new
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY

@@ -1,0 +1,33 @@
+"""WORKER_MEMORY_LIMIT_BYTES: a model's worker whose USS grows past it is killed, and the model heals.
+
+Its calls get RESOURCE_EXHAUSTED (runtime/dispatch.py reads the kill cause).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from runtime import memory
+from runtime.pool import WorkerPool
+from runtime.worker import KillCause
+
+log = logging.getLogger("mesh.watchdog")
+
+CHECK_SECONDS = 0.5
+MEMORY_LIMIT_REASON = "over WORKER_MEMORY_LIMIT_BYTES"
+
+
+async def watch_memory(supervisor, pool: WorkerPool, limit: int) -> None:
+    """Measures every serving model worker each CHECK_SECONDS; runs until cancelled."""
+    while True:
+        await asyncio.sleep(CHECK_SECONDS)
+        workers = [w for model in supervisor.models() for w in model.replicas.workers if w.alive]
+        try:
+            sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in workers])
+        except Exception:  # an unexpected error from /proc must not end the watch for good
+            log.exception("the memory watchdog could not measure the workers; trying again")
+            continue
+        for worker, size in zip(workers, sizes):
+            if size > limit:
+                pool.kill(worker, KillCause.MEMORY,
+                          f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")

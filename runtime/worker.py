@@ -1,0 +1,121 @@
+"""One worker process as the front sees it: its state, and why the front ended it if it did.
+
+A worker's life, each step made by exactly one place in the pool:
+
+    STARTING ──hello──► SPARE ──load sent──► LOADING ──load done──► SERVING
+        │                 │                    │                      │
+        └────────── killed by the front (WorkerPool.kill) ────────────┴──► CONDEMNED
+    any state ──reaped (its process sentinel fired)──► EXITED
+
+`change_state()` refuses any other move, so a bug in the bookkeeping fails
+loudly where it happens instead of sending a call to a dying worker. A
+worker that dies on its own goes straight to EXITED; one the front killed
+passes through CONDEMNED, which takes no more calls.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import multiprocessing
+import os
+import time
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"    # forked, has not said hello
+    SPARE = "spare"          # connected and idle, no model yet
+    LOADING = "loading"      # a load was sent; its main thread cannot answer pings
+    SERVING = "serving"      # holds its model and takes calls
+    CONDEMNED = "condemned"  # the front killed it; not reaped yet
+    EXITED = "exited"        # reaped: its memory is back in the OS
+
+
+_MOVES = {
+    WorkerState.STARTING: {WorkerState.SPARE, WorkerState.CONDEMNED, WorkerState.EXITED},
+    WorkerState.SPARE: {WorkerState.LOADING, WorkerState.CONDEMNED, WorkerState.EXITED},
+    WorkerState.LOADING: {WorkerState.SERVING, WorkerState.CONDEMNED, WorkerState.EXITED},
+    WorkerState.SERVING: {WorkerState.CONDEMNED, WorkerState.EXITED},
+    WorkerState.CONDEMNED: {WorkerState.EXITED},
+    WorkerState.EXITED: set(),
+}
+
+
+class KillCause(enum.Enum):
+    """Why the front ended a worker. The value is the `cause` label of mesh_worker_restarts_total."""
+
+    HUNG = "hung"                        # answered no heartbeat while idle
+    MEMORY = "memory"                    # over WORKER_MEMORY_LIMIT_BYTES
+    REQUEST_TIMEOUT = "request_timeout"  # a call ran past WORKER_REQUEST_TIMEOUT_MS
+    OPERATOR = "operator"                # the admin kill command
+    RELOAD_FAILED = "reload_failed"      # a heal's reload did not succeed
+    NO_HELLO = "no_hello"                # never connected after it was forked
+    UNLOAD = "unload"                    # its model is unloaded, or its load failed
+    SHUTDOWN = "shutdown"                # the front is stopping
+
+    @property
+    def expected(self) -> bool:
+        """Part of normal operation, not a fault: logged quietly."""
+        return self in (KillCause.UNLOAD, KillCause.SHUTDOWN)
+
+
+# The label of a worker that died without the front killing it.
+CRASH_LABEL = "crash"
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the worker's life does not allow: a bug in the front."""
+
+
+class Worker:
+    def __init__(self, identity: bytes, process: multiprocessing.process.BaseProcess):
+        loop = asyncio.get_running_loop()
+        self.identity = identity
+        self.process = process
+        self.pid: int | None = None
+        self.state = WorkerState.STARTING
+        self.model_id: str | None = None
+        self.started = time.monotonic()
+        self.in_flight = 0  # calls sent and not answered yet
+        self.kill_cause: KillCause | None = None
+        self.kill_reason = ""  # the sentence for logs and status messages
+        self.served = 0
+        self.errors = 0
+        self.last_error = ""
+        self.last_seen = self.started
+        self.ready = loop.create_future()   # resolves on the worker's hello
+        self.exited = loop.create_future()  # resolves to the exit code once reaped
+
+    def change_state(self, new: WorkerState) -> None:
+        if new not in _MOVES[self.state]:
+            raise IllegalTransition(f"{self!r}: {self.state.value} -> {new.value} is not a move a worker makes")
+        self.state = new
+
+    @property
+    def alive(self) -> bool:
+        return self.state is not WorkerState.EXITED
+
+    @property
+    def serving(self) -> bool:
+        """Holds its model and takes calls: not loading, not killed, not gone."""
+        return self.state is WorkerState.SERVING
+
+    @property
+    def busy(self) -> bool:
+        """Its one thread may be running a load or a call, so a missed heartbeat proves nothing."""
+        return self.state is WorkerState.LOADING or self.in_flight > 0
+
+    @property
+    def death_label(self) -> str:
+        """The metric label of its death: why the front killed it, or "crash"."""
+        return self.kill_cause.value if self.kill_cause else CRASH_LABEL
+
+    def signal(self, signum: int) -> None:
+        """Sends a signal if the process may still be there; only the pool calls this."""
+        if self.pid is not None and self.alive:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # already dead; the sentinel will tell
+
+    def __repr__(self) -> str:
+        return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"

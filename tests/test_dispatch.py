@@ -1,0 +1,246 @@
+"""The dispatcher and the state machines, in-process against a fake pool: no processes, milliseconds."""
+import asyncio
+import types
+
+import grpc
+import pytest
+
+from runtime import status
+from runtime.budget import ByteBudget
+from runtime.channel import PeerGone
+from runtime.dispatch import Dispatcher, spliced
+from runtime.model import Model, ModelState
+from runtime.modelspec import ModelSpec
+from runtime.pool import WorkerPool
+from runtime.settings import Settings
+from runtime.worker import IllegalTransition, KillCause, Worker, WorkerState
+from workers import formats
+
+SETTINGS = Settings.from_env({"WORKER_REQUEST_TIMEOUT_MS": "0"})
+
+
+class FakePool:
+    """Answers calls the way the test says; kills with the pool's own kill()."""
+
+    def __init__(self):
+        self.sent: list[tuple[Worker, str, bytes]] = []
+        self.replies: list[asyncio.Future] = []
+
+    def submit_call(self, worker, method, request, deadline, on_end, overdue_after, on_overdue):
+        self.sent.append((worker, method, request))
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: on_end())
+        self.replies.append(future)
+        self.on_overdue = on_overdue
+        return future
+
+    kill = WorkerPool.kill
+
+
+def serving_worker(name: str = "w1") -> Worker:
+    worker = Worker(name.encode(), process=None)
+    for state in (WorkerState.SPARE, WorkerState.LOADING, WorkerState.SERVING):
+        worker.change_state(state)
+    worker.model_id = "m"
+    return worker
+
+
+def ready_model(*workers: Worker) -> Model:
+    spec = ModelSpec("m", "/models/m", formats.by_name("python"), 10)
+    model = Model(spec, SETTINGS)
+    for worker in workers:
+        model.workers.append(worker)
+        model.replicas.add(worker)
+    model.change_state(ModelState.READY)
+    return model
+
+
+def dispatcher_for(model: Model, pool: FakePool, settings: Settings = SETTINGS) -> Dispatcher:
+    supervisor = types.SimpleNamespace(ready_model=lambda model_id: _found(model, model_id))
+    budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max, settings.grpc_max_message_bytes)
+    return Dispatcher(settings, supervisor, pool, budget)
+
+
+def _found(model: Model, model_id: str) -> Model:
+    if model_id != model.model_id or model.state is not ModelState.READY:
+        raise status.model_not_found(model_id)
+    return model
+
+
+async def call_answered_with(reply=None, frames=(b"body",), error=None, timeout=None, worker=None,
+                             model=None, settings=SETTINGS):
+    """Runs one call, answers it as told; returns (outcome, dispatcher, pool)."""
+    worker = worker or serving_worker()
+    model = model or ready_model(worker)
+    pool = FakePool()
+    dispatcher = dispatcher_for(model, pool, settings)
+    call = asyncio.ensure_future(dispatcher.call("m", "inference.GRPCInferenceService/ModelInfer", b"req", timeout))
+    await asyncio.sleep(0)
+    if error is not None:
+        pool.replies[0].set_exception(error)
+    elif reply is not None:
+        pool.replies[0].set_result((reply, list(frames)))
+    try:
+        return await call, dispatcher, pool
+    except status.RpcError as raised:
+        return raised, dispatcher, pool
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+# -- the life of one call ------------------------------------------------------------
+
+
+def test_a_call_reaches_a_worker_and_its_reply_comes_back_whole():
+    async def scenario():
+        outcome, dispatcher, pool = await call_answered_with({"ok": True}, frames=(b"body",))
+        worker = pool.sent[0][0]
+        return outcome, dispatcher, worker
+    outcome, dispatcher, worker = run(scenario())
+    assert outcome == b"body"
+    assert (worker.served, worker.in_flight, dispatcher.budget.held) == (1, 0, 0)
+
+
+def test_raw_output_frames_are_spliced_as_repeated_fields():
+    assert spliced([b"\x0a\x01m", b"abc"], 6) == b"\x0a\x01m" + b"\x32\x03abc"
+
+
+def test_a_failed_reply_is_the_workers_status_and_counts_as_an_error():
+    async def scenario():
+        reply = {"ok": False, "error": "invalid_input", "message": "bad tensor"}
+        return await call_answered_with(reply)
+    outcome, _, pool = run(scenario())
+    assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT and outcome.message == "bad tensor"
+    assert pool.sent[0][0].errors == 1
+
+
+def test_a_worker_dying_under_a_call_is_unavailable():
+    outcome, _, _ = run(call_answered_with(error=PeerGone(-9)))
+    assert outcome.code is grpc.StatusCode.UNAVAILABLE and "killed by SIGKILL" in outcome.message
+
+
+def test_a_worker_killed_for_memory_is_resource_exhausted():
+    async def scenario():
+        worker = serving_worker()
+        pool = FakePool()
+        call = asyncio.ensure_future(dispatcher_for(ready_model(worker), pool).call("m", "x/y", b"r", None))
+        await asyncio.sleep(0)
+        pool.kill(worker, KillCause.MEMORY, "over WORKER_MEMORY_LIMIT_BYTES: 9 MiB > 8 MiB")
+        pool.replies[0].set_exception(PeerGone(-9))  # as the reaper fails the worker's calls
+        with pytest.raises(status.RpcError) as raised:
+            await call
+        return worker, raised.value
+    worker, error = run(scenario())
+    assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKER_MEMORY_LIMIT_BYTES" in error.message
+    assert worker.state is WorkerState.CONDEMNED and worker.death_label == "memory"
+
+
+def test_a_call_as_the_model_is_unloaded_is_not_found():
+    async def scenario():
+        worker = serving_worker()
+        model = ready_model(worker)
+        model.unload_requested = True
+        return await call_answered_with(error=PeerGone(-15), worker=worker, model=model)
+    outcome, _, _ = run(scenario())
+    assert outcome.code is grpc.StatusCode.NOT_FOUND
+
+
+def test_the_deadline_counts_time_in_line():
+    async def scenario():
+        worker = serving_worker()
+        model = ready_model(worker)
+        worker.in_flight = model.replicas.slots  # full: the call waits in line
+        pool = FakePool()
+        dispatcher = dispatcher_for(model, pool)
+        with pytest.raises(status.RpcError) as raised:
+            await dispatcher.call("m", "x/y", b"r", 0.05)
+        return raised.value, pool, dispatcher
+    error, pool, dispatcher = run(scenario())
+    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert pool.sent == [] and dispatcher.budget.held == 0
+
+
+def test_an_overdue_call_kills_its_worker_with_that_cause():
+    settings = Settings.from_env({"WORKER_REQUEST_TIMEOUT_MS": "1000"})
+
+    async def scenario():
+        worker = serving_worker()
+        pool = FakePool()
+        call = asyncio.ensure_future(dispatcher_for(ready_model(worker), pool, settings).call("m", "x/y", b"r", None))
+        await asyncio.sleep(0)
+        pool.replies[0].set_exception(pool.on_overdue())  # as the channel's timer does
+        with pytest.raises(status.RpcError) as raised:
+            await call
+        return worker, raised.value
+    worker, error = run(scenario())
+    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED and "WORKER_REQUEST_TIMEOUT_MS=1000" in error.message
+    assert worker.kill_cause is KillCause.REQUEST_TIMEOUT and worker.state is WorkerState.CONDEMNED
+
+
+def test_a_response_over_the_message_limit_is_resource_exhausted():
+    settings = Settings.from_env({"GRPC_MAX_MESSAGE_BYTES": str(4 * 2**20)})
+    outcome, _, _ = run(call_answered_with({"ok": True}, frames=(b"x" * (4 * 2**20 + 1),), settings=settings))
+    assert outcome.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "GRPC_MAX_MESSAGE_BYTES" in outcome.message
+
+
+def test_an_unknown_model_is_not_found_before_any_byte_is_counted():
+    async def scenario():
+        dispatcher = dispatcher_for(ready_model(serving_worker()), FakePool())
+        with pytest.raises(status.RpcError) as raised:
+            await dispatcher.call("ghost", "x/y", b"r", None)
+        return raised.value, dispatcher
+    error, dispatcher = run(scenario())
+    assert error.code is grpc.StatusCode.NOT_FOUND and dispatcher.budget.held == 0
+
+
+# -- state machines ----------------------------------------------------------------
+
+
+def test_a_worker_makes_only_the_moves_of_its_life():
+    async def scenario():
+        worker = Worker(b"w", process=None)
+        with pytest.raises(IllegalTransition, match="starting -> serving"):
+            worker.change_state(WorkerState.SERVING)  # no hello, no load
+        worker.change_state(WorkerState.SPARE)
+        with pytest.raises(IllegalTransition):
+            worker.change_state(WorkerState.STARTING)
+        worker.change_state(WorkerState.LOADING)
+        worker.change_state(WorkerState.SERVING)
+        with pytest.raises(IllegalTransition):
+            worker.change_state(WorkerState.LOADING)  # one model per worker
+        worker.change_state(WorkerState.CONDEMNED)
+        with pytest.raises(IllegalTransition):
+            worker.change_state(WorkerState.SERVING)  # killed workers take no more calls
+        worker.change_state(WorkerState.EXITED)
+        for state in WorkerState:
+            with pytest.raises(IllegalTransition):
+                worker.change_state(state)
+    run(scenario())
+
+
+def test_a_model_makes_only_the_moves_of_its_life():
+    async def scenario():
+        model = Model(ModelSpec("m", "/m", formats.by_name("python"), 1), SETTINGS)
+        model.change_state(ModelState.READY)
+        with pytest.raises(IllegalTransition, match="ready -> loading"):
+            model.change_state(ModelState.LOADING)
+        model.change_state(ModelState.UNLOADING)
+        with pytest.raises(IllegalTransition):
+            model.change_state(ModelState.READY)  # nothing brings an unloaded model back
+    run(scenario())
+
+
+def test_a_kill_keeps_its_first_cause_and_only_hurries_a_second_time():
+    async def scenario():
+        worker = serving_worker()
+        signals = []
+        worker.signal = signals.append
+        pool = FakePool()
+        pool.kill(worker, KillCause.UNLOAD, "m is unloaded", 2.0)
+        pool.kill(worker, KillCause.HUNG, "hung")
+        return worker, signals
+    worker, signals = run(scenario())
+    assert worker.kill_cause is KillCause.UNLOAD and worker.death_label == "unload"
+    assert signals[:2] == [15, 9]  # SIGTERM for the grace, then SIGKILL at once on the second kill
