@@ -5,7 +5,7 @@ Each process is a file `pids/<pid>` holding its start time: a pid alone could
 by now belong to an unrelated process, a pid with the same start time cannot.
 A record alone is no licence to kill, though: the purge kills only a process
 of the runtime's uid whose title marks it as a mesh-runtime process of this
-very RUNTIME_DIR (workers/lifeline.py), and leaves anything else alone.
+very RUNTIME_DIR (plumbing/titles.py), and leaves anything else alone.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import psutil
 
-from workers import lifeline
+from plumbing import titles
 
 log = logging.getLogger("mesh.leftovers")
 
@@ -97,7 +97,7 @@ class ProcessRegistry:
             log.warning("leaving pid %d alone: it runs as uid %d, not as the runtime's uid %d",
                         process.pid, stranger, ours)
             return False
-        if not lifeline.is_runtime_process_of(cmdline, self.runtime_dir):
+        if not titles.is_runtime_process_of(cmdline, self.runtime_dir):
             shown = " ".join(part for part in cmdline if part)[:120]
             log.warning("leaving pid %d alone: its title %r does not mark it as a mesh-runtime process of %s",
                         process.pid, shown, self.runtime_dir)

@@ -41,7 +41,8 @@ from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker, WorkerState
-from workers import lifeline, protocol
+from plumbing import lifeline, stacks, titles
+from workers import protocol
 
 log = logging.getLogger("mesh.pool")
 
@@ -94,7 +95,7 @@ class WorkerPool:
         # Called on the main thread on purpose: the fork server's parent-death
         # signal follows the thread that forked it.
         os.environ[protocol.PRELOAD_ENV] = ",".join(self.settings.worker_preload)
-        os.environ[lifeline.RUNTIME_DIR_ENV] = self.settings.runtime_dir  # for the fork server's title
+        os.environ[titles.RUNTIME_DIR_ENV] = self.settings.runtime_dir  # for the fork server's title
         self._context.set_forkserver_preload(["workers.preload"])
         multiprocessing.forkserver.ensure_running()
         # multiprocessing keeps the fork server's pid in a private field; the
@@ -335,7 +336,7 @@ class WorkerPool:
             process.close()
         self.registry.remove(worker.pid)
         try:
-            os.unlink(lifeline.stacks_path(self.settings.runtime_dir, worker.pid))
+            os.unlink(stacks.stacks_path(self.settings.runtime_dir, worker.pid))
         except FileNotFoundError:
             pass
         return code

@@ -27,7 +27,7 @@ from runtime.management import ModelRuntimeServicer
 from runtime.metrics import Metrics
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
-from workers import lifeline, logsetup
+from plumbing import logsetup, priority, titles
 
 log = logging.getLogger("mesh.server")
 
@@ -45,8 +45,8 @@ def run(settings: Settings) -> int:
     stop_signals = StopSignals()
     stop_signals.note_early()
     logsetup.setup("front", settings.log_level, settings.log_format)
-    lifeline.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
-    if not lifeline.set_oom_score_adj(lifeline.FRONT_OOM_SCORE_ADJ):
+    titles.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
+    if not priority.set_oom_score_adj(priority.FRONT_OOM_SCORE_ADJ):
         log.info("cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it")
     try:
         # Held for the front's whole life: the purge of leftovers and all the rest run under it.
@@ -210,7 +210,7 @@ def grpc_threads_as_batch_work(settings: Settings):
     if not settings.grpc_threads_sched_batch:
         yield
         return
-    with lifeline.threads_started_here_run_as_batch_work() as batch:
+    with priority.threads_started_here_run_as_batch_work() as batch:
         if not batch:
             log.warning("the kernel refused SCHED_BATCH (GRPC_THREADS_SCHED_BATCH); grpc's threads may "
                         "preempt the event loop")

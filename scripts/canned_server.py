@@ -43,7 +43,8 @@ import zmq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from workers import lifeline, protocol  # noqa: E402
+from plumbing import lifeline, priority
+from workers import protocol  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -119,7 +120,7 @@ class Hop(grpc.GenericRpcHandler):
 
 def _hop_child(address: str, answer: bytes, parent: int) -> None:
     lifeline.die_with_parent(parent)
-    lifeline.schedule_as_batch_work()  # as mesh-runtime's workers are (WORKER_SCHED_BATCH)
+    priority.schedule_as_batch_work()  # as mesh-runtime's workers are (WORKER_SCHED_BATCH)
     socket = zmq.Context().socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, b"child")
     socket.connect(address)
@@ -134,7 +135,7 @@ async def serve(port: int, answer: bytes, hop: bool = False) -> None:
     if hop:
         handler.start()
     # (a2) schedules grpc's threads as mesh-runtime does (GRPC_THREADS_SCHED_BATCH); (a) stays bare.
-    with lifeline.threads_started_here_run_as_batch_work() if hop else contextlib.nullcontext():
+    with priority.threads_started_here_run_as_batch_work() if hop else contextlib.nullcontext():
         server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
                                           ("grpc.max_receive_message_length", MESSAGE_LIMIT),
                                           ("grpc.so_reuseport", 0)])

@@ -13,7 +13,7 @@ import pytest
 
 from harness import Runtime, alive, tree, wait_until
 from test_runtime_dir import record, start_titled
-from workers import lifeline
+from plumbing import priority, titles
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -45,7 +45,7 @@ def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir():
     run_dir = first.env["RUNTIME_DIR"]
     # Real workers die with the front (parent-death signal); this one stands for a worker that
     # outlived it. Beside it, a process of ours the records name that is no mesh-runtime process.
-    left_behind = start_titled(lifeline.title("worker model=m", run_dir))
+    left_behind = start_titled(titles.title("worker model=m", run_dir))
     unrelated = subprocess.Popen(["sleep", "120"])
     try:
         first.load("m", first.model_dir("m"))
@@ -194,11 +194,11 @@ def _refuse(pid, policy, param):
 def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypatch, caplog):
     from runtime import server
     from runtime.settings import Settings
-    from workers import lifeline
+    from plumbing import priority, titles
 
     monkeypatch.setattr(os, "sched_setscheduler", _refuse)
-    assert lifeline.schedule_as_batch_work() is False
-    with lifeline.threads_started_here_run_as_batch_work() as batch:
+    assert priority.schedule_as_batch_work() is False
+    with priority.threads_started_here_run_as_batch_work() as batch:
         assert batch is False
     with caplog.at_level(logging.WARNING, logger="mesh.server"):
         with server.grpc_threads_as_batch_work(Settings.from_env({})):
@@ -207,7 +207,7 @@ def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypat
 
 
 def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keeps_its_policy():
-    from workers import lifeline
+    from plumbing import priority, titles
 
     policies = {}
 
@@ -220,7 +220,7 @@ def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keep
         thread.join()
 
     before = os.sched_getscheduler(0)
-    with lifeline.threads_started_here_run_as_batch_work() as batch:
+    with priority.threads_started_here_run_as_batch_work() as batch:
         run_thread("inside")
     run_thread("after")
     assert batch is True

@@ -20,7 +20,7 @@ import pytest
 from harness import Runtime, alive, tree, wait_until
 from runtime import rundir
 from runtime.leftovers import ProcessRegistry
-from workers import lifeline
+from plumbing import titles
 
 STRANGER_UID = 65534  # nobody
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start or own things as another uid")
@@ -221,24 +221,24 @@ def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path, run_dir, capl
 
 
 def test_a_title_names_its_runtime_dir_last_so_a_model_id_cannot_claim_another():
-    assert lifeline.title("worker spare", "/run/a") == "mesh-runtime worker spare dir=/run/a"
-    assert lifeline.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a", "", ""], "/run/a")
-    assert not lifeline.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a"], "/run/b")
-    assert not lifeline.is_runtime_process_of(["mesh-runtime forkserver dir=/run/ab"], "/run/a")
-    assert not lifeline.is_runtime_process_of([lifeline.title("worker model=m dir=/run/b", "/run/a")], "/run/b")
-    assert not lifeline.is_runtime_process_of(["python", "-c", "mesh-runtime worker spare dir=/run/a"], "/run/a")
-    assert not lifeline.is_runtime_process_of(["mesh-runtime worker spare"], "")
+    assert titles.title("worker spare", "/run/a") == "mesh-runtime worker spare dir=/run/a"
+    assert titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a", "", ""], "/run/a")
+    assert not titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a"], "/run/b")
+    assert not titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/ab"], "/run/a")
+    assert not titles.is_runtime_process_of([titles.title("worker model=m dir=/run/b", "/run/a")], "/run/b")
+    assert not titles.is_runtime_process_of(["python", "-c", "mesh-runtime worker spare dir=/run/a"], "/run/a")
+    assert not titles.is_runtime_process_of(["mesh-runtime worker spare"], "")
 
 
 def test_setting_a_title_the_os_refuses_returns_false_and_logs_instead_of_raising(caplog):
-    with caplog.at_level(logging.WARNING, logger="mesh.lifeline"):
-        assert lifeline.set_title("worker model=bad\0id") is False
+    with caplog.at_level(logging.WARNING, logger="mesh.titles"):
+        assert titles.set_title("worker model=bad\0id") is False
     assert "cannot set the process title" in caplog.text
 
 
 def test_purge_kills_a_recorded_mesh_runtime_process_of_this_runtime_dir(run_dir, caplog):
     os.makedirs(run_dir, mode=0o700)
-    child = start_titled(lifeline.title("worker model=m", run_dir))
+    child = start_titled(titles.title("worker model=m", run_dir))
     try:
         record(run_dir, child)
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
@@ -255,7 +255,7 @@ def test_purge_leaves_a_recorded_process_of_ours_that_is_not_a_mesh_runtime_proc
         kind, run_dir, caplog):
     os.makedirs(run_dir, mode=0o700)
     child = start_sleeper() if kind == "no mesh-runtime title" else start_titled(
-        lifeline.title("worker spare", run_dir + "-other"))
+        titles.title("worker spare", run_dir + "-other"))
     try:
         record(run_dir, child)
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
@@ -270,7 +270,7 @@ def test_purge_leaves_a_recorded_process_of_ours_that_is_not_a_mesh_runtime_proc
 @needs_root
 def test_purge_leaves_a_recorded_process_of_another_uid_even_with_our_title(run_dir, caplog):
     os.makedirs(run_dir, mode=0o700)
-    stranger = start_strangers_titled(lifeline.title("worker spare", run_dir))
+    stranger = start_strangers_titled(titles.title("worker spare", run_dir))
     try:
         record(run_dir, stranger)
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
@@ -319,7 +319,7 @@ def test_a_front_empties_a_loose_runtime_dir_kills_nothing_planted_and_makes_it_
     os.symlink(elsewhere, os.path.join(run_dir, "stacks", "link"))
     os.chmod(run_dir, 0o777)
     # Recorded and titled like one of this folder's workers: only the loose mode gives it away.
-    planted = start_titled(lifeline.title("worker spare", run_dir))
+    planted = start_titled(titles.title("worker spare", run_dir))
     try:
         record(run_dir, planted)
         rt.start()
@@ -419,7 +419,7 @@ def processes_of(run_dir: str) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter():
         try:
-            if lifeline.is_runtime_process_of(process.cmdline(), run_dir):
+            if titles.is_runtime_process_of(process.cmdline(), run_dir):
                 found.append(process)
         except psutil.Error:
             pass

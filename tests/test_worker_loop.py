@@ -10,7 +10,8 @@ import zmq
 
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
-from workers import lifeline, protocol
+from plumbing import lifeline
+from workers import protocol
 from workers.loop import Worker
 
 

@@ -17,7 +17,7 @@ share one predict (workers/batching.py); any other takes one message per poll
 
 The loop ends by itself when the front has been silent for longer than the
 heartbeat timeout and is no longer running; the parent-death signal
-(workers/lifeline.py) covers the rest. A front that is still running but
+(plumbing/lifeline.py) covers the rest. A front that is still running but
 silent is stalled, not gone: its worker waits for it rather than take its
 model down.
 """
@@ -36,7 +36,8 @@ import zmq
 
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, formats, lifeline, protocol, v2
+from plumbing import lifeline, titles
+from workers import batching, formats, protocol, v2
 
 log = logging.getLogger("mesh.worker")
 
@@ -177,7 +178,7 @@ class Worker:
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD,
                                          f"this worker already holds model {self.model_id}")]
         self.model_id, self.format = header["model_id"], header["format"]
-        lifeline.set_title(f"worker model={self.model_id}")
+        titles.set_title(f"worker model={self.model_id}")
         started = time.monotonic()
         try:
             self.model = formats.load(self.format, header["path"])

@@ -11,18 +11,18 @@ import logging
 import signal
 from typing import Any
 
-from workers import lifeline, logsetup
+from plumbing import lifeline, logsetup, priority, stacks, titles
 
 
 def run(config: dict[str, Any]) -> None:
     lifeline.die_with_parent(lifeline.forkserver_pid())
-    lifeline.set_oom_score_adj(lifeline.WORKER_OOM_SCORE_ADJ)
+    priority.set_oom_score_adj(priority.WORKER_OOM_SCORE_ADJ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
-    lifeline.set_title("worker spare", config["runtime_dir"])
+    titles.set_title("worker spare", config["runtime_dir"])
     logsetup.setup("worker", config["log_level"], config["log_format"])
-    lifeline.dump_stacks_on_sigusr1(config["runtime_dir"])
+    stacks.dump_stacks_on_sigusr1(config["runtime_dir"])
     # Before ZeroMQ starts its I/O thread, which inherits the policy.
-    if config["sched_batch"] and not lifeline.schedule_as_batch_work():
+    if config["sched_batch"] and not priority.schedule_as_batch_work():
         logging.getLogger("mesh.worker").warning(
             "the kernel refused SCHED_BATCH (WORKER_SCHED_BATCH); this worker may preempt the front")
     from workers.loop import Worker

@@ -12,12 +12,13 @@ import importlib
 import os
 import sys
 
-from workers import formats, lifeline, protocol
+from plumbing import lifeline, titles
+from workers import formats, protocol
 
 
 def _preload() -> None:
     lifeline.die_with_parent(expected_parent=None)
-    lifeline.set_title("forkserver", os.environ.get(lifeline.RUNTIME_DIR_ENV, ""))
+    titles.set_title("forkserver", os.environ.get(titles.RUNTIME_DIR_ENV, ""))
     # Workers compare their parent with this pid to close the race between
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())

@@ -12,7 +12,7 @@ import signal
 import time
 
 from runtime.admin import AdminError, find_workers
-from workers import lifeline
+from plumbing.stacks import stacks_path
 
 WAIT_SECONDS = 2.0
 
@@ -22,7 +22,7 @@ async def run(supervisor, args: list[str]) -> dict:
         raise AdminError("usage: stacks PID|MODEL")
     stacks = {}
     for worker in find_workers(supervisor, args[0]):
-        path = lifeline.stacks_path(supervisor.settings.runtime_dir, worker.pid)
+        path = stacks_path(supervisor.settings.runtime_dir, worker.pid)
         stacks[str(worker.pid)] = await _dump(worker, path)
     return stacks
 

@@ -1,0 +1,53 @@
+"""Ties a process's life to its parent's, and names a process for good.
+
+No orphans even when the front is SIGKILLed: each process asks Linux for a
+signal when its parent dies. Linux delivers it when the parent *thread* that
+forked us exits; the fork server forks from its only thread and the front
+starts the fork server from its main thread, so "thread" means "process"
+here.
+"""
+import ctypes
+import os
+import signal
+
+FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(expected_parent: int | None) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died between fork and prctl: then we were re-parented.
+    if expected_parent is not None and os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def forkserver_pid() -> int | None:
+    """The fork server's pid as it recorded it before forking us (None outside a worker)."""
+    value = os.environ.get(FORKSERVER_PID_ENV)
+    return int(value) if value else None
+
+
+def process_identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time in clock ticks): names one process for good, where a pid may be reused."""
+    fields = _stat_fields(pid)
+    return (pid, int(fields[19])) if fields else None
+
+
+def is_running(identity: tuple[int, int] | list[int]) -> bool:
+    """True while the process that `process_identity` named exists and is not a zombie."""
+    pid, started = identity
+    fields = _stat_fields(pid)
+    return fields is not None and int(fields[19]) == started and fields[0] != "Z"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces); None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            text = stat_file.read().decode(errors="replace")
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
