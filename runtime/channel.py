@@ -70,7 +70,7 @@ class Channel:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
         self._by_peer: dict[bytes, set[int]] = {}
-        self._fd = self._socket.getsockopt(zmq.FD)
+        self._fd = self._socket.fileno()  # what getsockopt(zmq.FD) returns, typed int rather than int | bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
 
@@ -116,10 +116,14 @@ class Channel:
         unanswered `overdue_after` seconds later ends with the error that
         `on_overdue()` returns (it is expected to end the worker too).
         """
+        if self._loop is None:
+            raise RuntimeError("Channel.submit() before start()")
+        if overdue_after is not None and on_overdue is None:
+            raise ValueError("overdue_after needs on_overdue, the error to end the request with")
         request_id = next(self._ids)
         future = self._loop.create_future()
         request = self._pending[request_id] = _Request(peer, future, on_end)
-        if overdue_after is not None:
+        if overdue_after is not None and on_overdue is not None:  # both or neither (checked above)
             request.timer = self._loop.call_later(overdue_after, self._overdue, request_id, on_overdue)
         waiting = self._by_peer.get(peer)
         if waiting is None:

@@ -95,16 +95,17 @@ class InferenceService(grpc.GenericRpcHandler):
         self._forwarded = {f"/{name}": self._forwarded_as(name)
                            for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)}
         self._routed: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
+        # Deserialisers rather than classes: protobuf ships no stubs, so the classes would join to object.
         local = {
-            f"{SERVICE}/ServerLive": (self.server_live, pb.ServerLiveRequest),
-            f"{SERVICE}/ServerReady": (self.server_ready, pb.ServerReadyRequest),
-            f"{SERVICE}/ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
-            f"{SERVICE}/ModelReady": (self.model_ready, pb.ModelReadyRequest),
+            f"{SERVICE}/ServerLive": (self.server_live, pb.ServerLiveRequest.FromString),
+            f"{SERVICE}/ServerReady": (self.server_ready, pb.ServerReadyRequest.FromString),
+            f"{SERVICE}/ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest.FromString),
+            f"{SERVICE}/ModelReady": (self.model_ready, pb.ModelReadyRequest.FromString),
         }
         self._handlers = {}
-        for name, (handler, request_type) in local.items():
+        for name, (handler, deserialize) in local.items():
             self._handlers[f"/{name}"] = reading.budgeted(grpc.unary_unary_rpc_method_handler(
-                handler, request_deserializer=request_type.FromString,
+                handler, request_deserializer=deserialize,
                 response_serializer=lambda message: message.SerializeToString()), self.budget)
 
     def service(self, handler_call_details):

@@ -21,6 +21,7 @@ from runtime.settings import Settings
 from runtime.model import Model
 from runtime.supervisor import Supervisor
 from runtime.worker import KillCause, Worker
+from workers import protocol
 
 log = logging.getLogger("mesh.dispatch")
 
@@ -114,6 +115,8 @@ def spliced(frames: list, append_field: int | None) -> bytes:
     """
     if len(frames) == 1:
         return bytes(frames[0])
+    if append_field is None:  # the worker's reply header names it whenever it sends extra frames
+        raise protocol.ProtocolError(f"a reply of {len(frames)} frames names no append_field")
     parts = [frames[0]]
     for extra in frames[1:]:
         parts.append(wire.bytes_field_header(append_field, len(extra)))

@@ -42,7 +42,7 @@ class Model:
         self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
         self.size = 0
         self.load_started = time.monotonic()
-        self.load_task: asyncio.Task | None = None
+        self.load_task: asyncio.Task[int] | None = None  # resolves to the measured size
         self.heal_task: asyncio.Task | None = None
         self.crashes: collections.deque[float] = collections.deque()
         self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash

@@ -277,11 +277,13 @@ class WorkerPool:
         finally:
             self._starting -= 1
 
-    def _start_process(self, process: multiprocessing.Process) -> int:
+    def _start_process(self, process: multiprocessing.process.BaseProcess) -> int:
         """Spawner thread: ask the fork server for a child and record it."""
         process.start()
-        self.registry.add(process.pid)
-        return process.pid
+        pid = process.pid
+        assert pid is not None  # start() returned: the fork server forked the child and sent its pid
+        self.registry.add(pid)
+        return pid
 
     def _add_spare(self, worker: Worker) -> None:
         worker.change_state(WorkerState.SPARE)
@@ -330,13 +332,15 @@ class WorkerPool:
     def _collect_exit(self, worker: Worker) -> int | None:
         """Spawner thread: read the exit code the fork server wrote, free the process object."""
         process = worker.process
+        pid = worker.pid
+        assert pid is not None  # _spawn_one watches the sentinel only once the pid is set
         process.join(timeout=5)
         code = process.exitcode
         if code is not None:
             process.close()
-        self.registry.remove(worker.pid)
+        self.registry.remove(pid)
         try:
-            os.unlink(stacks.stacks_path(self.settings.runtime_dir, worker.pid))
+            os.unlink(stacks.stacks_path(self.settings.runtime_dir, pid))
         except FileNotFoundError:
             pass
         return code

@@ -12,7 +12,8 @@ import dataclasses
 import importlib.util
 import os
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 # Ports model-mesh itself listens on inside the pod; a runtime must avoid them.
 RESERVED_PORTS = {8080, 8089, 8090, *range(11881, 11900)}
@@ -248,16 +249,53 @@ VARIABLES: tuple[Variable, ...] = (
 )
 
 
-def _settings_class():
-    fields = [(v.field, Any) for v in VARIABLES]
-    return dataclasses.make_dataclass("_SettingsBase", fields, frozen=True)
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Typed, validated settings; attribute names are the variable names in lower case.
 
+    The fields are spelled out so that a type checker knows them; a test
+    checks they are exactly VARIABLES, in order.
+    """
 
-class Settings(_settings_class()):
-    """Typed, validated settings; attribute names are the variable names in lower case."""
+    runtime_port: int
+    runtime_socket_path: str | None
+    runtime_dir: str
+    root_model_dir: str
+    pvc_mounts_dir: str
+    container_mem_req_bytes: int | None
+    mem_buffer_bytes: int
+    modelsize_multiplier: float
+    default_modelsize: int
+    loadtime_timeout: int
+    max_loading_concurrency: int
+    workers_warm: int
+    workers_max: int
+    model_replicas: int
+    worker_threads: int
+    worker_batch_max: int
+    model_queue_max: int
+    limit_model_concurrency: bool
+    allow_any_method: bool
+    model_crash_limit: int
+    model_crash_window_ms: int
+    worker_request_timeout_ms: int
+    worker_heartbeat_timeout_ms: int
+    worker_memory_limit_bytes: int
+    shutdown_grace_ms: int
+    worker_sched_batch: bool
+    grpc_threads_sched_batch: bool
+    event_loop: str
+    busy_poll_us: int
+    worker_preload: tuple[str, ...]
+    grpc_max_message_bytes: int
+    model_bytes_max: int
+    front_bytes_max: int
+    metrics_port: int
+    log_level: str
+    log_format: str
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for var in VARIABLES:
@@ -266,7 +304,7 @@ class Settings(_settings_class()):
         return cls(**values)
 
 
-def _read(var: Variable, environ, so_far: dict[str, Any]) -> Any:
+def _read(var: Variable, environ: Mapping[str, str], so_far: dict[str, Any]) -> Any:
     text = environ.get(var.name)
     if text is None or text == "":
         return var.default(so_far) if callable(var.default) else var.default

@@ -128,7 +128,10 @@ WORKER_ERROR_CODES = {
 
 def from_worker(model_id: str, reply: dict) -> RpcError:
     """The status for a failed worker reply."""
-    code = WORKER_ERROR_CODES.get(reply.get("error"), grpc.StatusCode.INTERNAL)
+    kind = reply.get("error")
+    code = grpc.StatusCode.INTERNAL  # no kind, or one this front does not know
+    if isinstance(kind, str):
+        code = WORKER_ERROR_CODES.get(kind, code)
     message = str(reply.get("message", "no message"))
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         message = f"model {model_id!r} raised while loading: {message}"

@@ -46,6 +46,13 @@ HEAL_BACKOFF_CAP_SECONDS = 5.0
 LOAD_OUTCOMES = {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}
 
 
+def _caller_cancelled() -> bool:
+    """Whether the task awaiting a shielded load is itself being cancelled (not just the load)."""
+    task = asyncio.current_task()
+    assert task is not None  # asyncio runs every coroutine that awaits a future inside a task
+    return bool(task.cancelling())
+
+
 class Supervisor:
     def __init__(self, settings: Settings, metrics: Metrics):
         self.settings = settings
@@ -98,10 +105,12 @@ class Supervisor:
                 log.info("%s is already loaded", spec.model_id, extra={"model_id": spec.model_id})
                 return model.size
             if model.state is ModelState.LOADING:
+                # Set right after the model enters the table LOADING, with no await in between.
+                assert model.load_task is not None
                 try:
                     return await asyncio.shield(model.load_task)
                 except asyncio.CancelledError:
-                    if asyncio.current_task().cancelling():
+                    if _caller_cancelled():
                         raise
                     raise status.load_cancelled(spec.model_id) from None
             await asyncio.shield(model.gone)  # an unload is finishing: then load afresh
@@ -114,7 +123,7 @@ class Supervisor:
         try:
             return await asyncio.shield(model.load_task)
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            if _caller_cancelled():
                 # The loadModel call itself was cancelled: mesh counts the load as
                 # failed and will send unloadModel, which waits for `gone`.
                 log.info("load of %s cancelled by the caller", spec.model_id, extra={"model_id": spec.model_id})

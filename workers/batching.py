@@ -78,7 +78,12 @@ def split_outputs(group: list[InferCall], outputs: Any) -> list[dict[str, np.nda
     """
     if not isinstance(outputs, dict):
         raise ValueError(f"predict() returned {type(outputs).__name__}, not a dict")
-    rows = [call.rows for call in group]
+    rows: list[int] = []
+    for call in group:
+        count = call.rows
+        if count is None:  # groups() keeps such a call alone
+            raise ValueError("a call's inputs do not share a row count")
+        rows.append(count)
     total = sum(rows)
     arrays = {name: np.asarray(value) for name, value in outputs.items()}
     for name, array in arrays.items():

@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -187,7 +188,9 @@ class Worker:
                         extra={"model_id": self.model_id})
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
         trim_memory()
-        self.batches_rows = formats.by_name(self.format).batches_rows and self.batch_max > 1
+        fmt = formats.by_name(self.format)
+        assert fmt is not None, self.format  # formats.load() raised for an unknown format
+        self.batches_rows = fmt.batches_rows and self.batch_max > 1
         log.info("loaded %s (%s) in %.1f ms", self.model_id, self.format,
                  (time.monotonic() - started) * 1000, extra={"model_id": self.model_id})
         return [protocol.reply(request_id)]
@@ -292,7 +295,7 @@ class Worker:
 
     def _predict_group(self, group: list[batching.InferCall]) -> dict[int, list]:
         """Replies to a group of alike calls by request id: one predict, or one each if that fails."""
-        shares = None
+        shares: Sequence[dict | None] = [None] * len(group)  # None: the call predicts on its own
         if len(group) > 1:
             try:
                 # Alike calls: the first one's parameters and requested outputs are everyone's.
@@ -303,7 +306,7 @@ class Worker:
                          len(group), type(error).__name__, error, extra={"model_id": self.model_id})
         return {call.request_id: self._answer(call.request_id, protocol.METHOD_INFER,
                                               functools.partial(self._reply_to, call, share))
-                for call, share in zip(group, shares or [None] * len(group))}
+                for call, share in zip(group, shares)}
 
     def _reply_to(self, call: batching.InferCall, outputs: dict | None) -> list:
         """The reply to one call: with its share of a batch's outputs, else after its own predict."""

@@ -167,7 +167,8 @@ def receive_frames(socket: zmq.Socket, copied: int) -> list:
     """The next message (call once readable()): its first `copied` frames as bytes,
     the rest left in ZeroMQ's buffers as zmq.Frame (tensors are read in place)."""
     frame = _recv(socket, NOBLOCK, copy=False)
-    frames = [frame.bytes]
+    # bytes, then zmq.Frame from index `copied` on: no list type says which is which.
+    frames: list[Any] = [frame.bytes]
     while frame.more:
         frame = _recv(socket, NOBLOCK, copy=False)
         frames.append(frame.bytes if len(frames) < copied else frame)

@@ -275,11 +275,13 @@ def _to_raw(name: str, datatype: str, array: np.ndarray) -> bytes | memoryview:
             parts.append(data)
         return b"".join(parts)
     flat = np.ascontiguousarray(array, dtype=DATATYPES[datatype][0]).reshape(-1)
-    return memoryview(flat.view(np.uint8))
+    return flat.view(np.uint8).data  # memoryview(array): the stubs type ndarray as a Buffer only on 3.12+
 
 
 def _fill_contents(name: str, contents, datatype: str, array: np.ndarray) -> None:
     field = DATATYPES[datatype][1]
+    # Only FP16 and BF16 have no contents field: FP16 outputs go raw, and no output is BF16.
+    assert field is not None, datatype
     values = getattr(contents, field)
     if datatype == "BYTES":
         values.extend(_bytes_elements_of(name, array))

@@ -60,6 +60,14 @@ def ask(runtime_dir: str, command: str, *args: str) -> object:
     return answer["result"]
 
 
+def _ask_list(runtime_dir: str, command: str) -> list[dict]:
+    """ask() for a command the front answers with a list of rows ("workers", "models")."""
+    result = ask(runtime_dir, command)
+    if not isinstance(result, list):
+        raise TypeError(f"the front answered {command!r} with {type(result).__name__}, not a list")
+    return result
+
+
 def _runtime_dir(given: str | None) -> str:
     if given:
         return given
@@ -108,8 +116,8 @@ def rows_from_titles() -> list[dict]:
 
 def _inspect_once(runtime_dir: str, as_json: bool) -> int:
     try:
-        rows = ask(runtime_dir, "workers")
-        models = ask(runtime_dir, "models")
+        rows = _ask_list(runtime_dir, "workers")
+        models = _ask_list(runtime_dir, "models")
     except (Unreachable, Refused) as error:
         print(f"degraded mode: {error}; workers below were found by process title", file=sys.stderr)
         rows, models, code = rows_from_titles(), [], UNREACHABLE

@@ -22,6 +22,8 @@ def model_file(path: str, format_name: str) -> str:
     if not os.path.isdir(path):
         return path
     fmt = formats.by_name(format_name)
+    if fmt is None:
+        raise ValueError(f"unknown model format {format_name!r}")
     found = sorted(name for name in os.listdir(path)
                    if fmt.matches(name) and os.path.isfile(os.path.join(path, name)))
     if len(found) > 1:

@@ -27,7 +27,8 @@ def load(path: str) -> "PythonModel":
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     model_class = getattr(module, "Model", None)
-    if not inspect.isclass(model_class):
+    # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
+    if not isinstance(model_class, type):
         raise TypeError(f"{source} defines no class Model")
     return PythonModel(model_class(path))
 
