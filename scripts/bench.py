@@ -261,7 +261,7 @@ def main() -> int:
         return 0 if ok else 1
     if args.instructions_only:
         return run_instructions(args, info)
-    rt = harness.Runtime(WORKERS_WARM=str(WARM))
+    rt = harness.Runtime(preload_frameworks=True, WORKERS_WARM=str(WARM))
     try:
         progress("starting the runtime")
         rt.start()

@@ -639,7 +639,7 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
             cannot(((CASE_A2, SMALL),), error)
 
         # (b) and (c): one runtime with its defaults, serving echo and iris
-        rt = harness.Runtime(**RUNTIME_ENV)
+        rt = harness.Runtime(preload_frameworks=True, **RUNTIME_ENV)
         stack.callback(_stop_runtime, rt)
         try:
             progress("starting mesh-runtime, loading echo and iris")

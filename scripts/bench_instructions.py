@@ -125,7 +125,7 @@ def canned(folder: str, calls: int, hop: bool) -> float:
 
 
 def front(folder: str, calls: int) -> float:
-    rt = harness.Runtime(command_prefix=callgrind(folder, "front"), BUSY_POLL_US="0",
+    rt = harness.Runtime(command_prefix=callgrind(folder, "front"), preload_frameworks=True, BUSY_POLL_US="0",
                          **dataplane.RUNTIME_ENV)
     try:
         rt.start(wait_ready=False)

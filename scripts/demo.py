@@ -58,7 +58,7 @@ class DemoRuntime(harness.Runtime):
     stubs), reporting what it finds instead of asserting: the demo prints it."""
 
     def __init__(self):
-        super().__init__(WORKERS_WARM=str(WARM))
+        super().__init__(preload_frameworks=True, WORKERS_WARM=str(WARM))
 
     def titled(self, words: str) -> list[psutil.Process]:
         return [p for p in alive(harness.tree(self.pid)) if words in _title(p)]

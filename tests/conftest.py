@@ -4,9 +4,14 @@ from harness import Runtime
 
 
 @pytest.fixture(scope="module")
-def runtime():
-    """One runtime shared by a test module (loads time out after 5 s there)."""
-    with Runtime(LOADTIME_TIMEOUT="5000", WORKERS_WARM="1") as shared:
+def runtime(request):
+    """One runtime shared by a test module (loads time out after 5 s there).
+
+    Its fork server preloads only numpy, unless the module is about model
+    formats and says PRELOAD_FRAMEWORKS = True.
+    """
+    preload = getattr(request.module, "PRELOAD_FRAMEWORKS", False)
+    with Runtime(LOADTIME_TIMEOUT="5000", WORKERS_WARM="1", preload_frameworks=preload) as shared:
         yield shared
 
 

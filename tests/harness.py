@@ -82,6 +82,38 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02, what: s
         time.sleep(interval)
 
 
+def expect_status(code: grpc.StatusCode, call, *args, **kwargs) -> grpc.RpcError:
+    """Calls call(*args, **kwargs), which must fail with gRPC status `code`; returns the error,
+    so that the test can check its details().
+
+    Fails the test if the call succeeds or fails with another code, showing what came back.
+    """
+    __tracebackhide__ = True  # pytest then points at the test's line, not at this one
+    try:
+        answer = call(*args, **kwargs)
+    except grpc.RpcError as error:
+        if error.code() != code:
+            got = f"got {error.code().name}: {error.details()!r}"
+            raise AssertionError(f"expected {code.name}, {got}") from None
+        return error
+    shown = repr(answer)
+    shown = shown if len(shown) <= 300 else shown[:300] + "..."
+    raise AssertionError(f"expected {code.name}, but the call succeeded and returned {shown}")
+
+
+def status_of(call, *args, **kwargs) -> grpc.StatusCode:
+    """The status call(*args, **kwargs) ends with: OK, or its error's code.
+
+    For a test that accepts several outcomes, or collects them from threads;
+    one that expects a single error uses expect_status.
+    """
+    try:
+        call(*args, **kwargs)
+    except grpc.RpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
 def write_model(folder: str, source: str) -> str:
     """Writes a custom model (model.py) into folder; returns the folder."""
     os.makedirs(folder, exist_ok=True)
@@ -120,8 +152,13 @@ def allocating_model(alloc_mib: int, sleep_s: float = 0.0) -> str:
 
 
 class Runtime:
-    def __init__(self, command_prefix: tuple[str, ...] = (), **env: str):
-        """env: settings for the runtime; command_prefix: runs it under a tool (valgrind, say)."""
+    def __init__(self, command_prefix: tuple[str, ...] = (), preload_frameworks: bool = False, **env: str):
+        """env: settings for the runtime; command_prefix: runs it under a tool (valgrind, say).
+
+        The fork server preloads only numpy unless `preload_frameworks` (or
+        WORKER_PRELOAD is given): importing every framework costs each start
+        seconds that only tests of the formats, and benchmarks, need to pay.
+        """
         self.command_prefix = command_prefix
         self.root = tempfile.mkdtemp(prefix="mr-")
         self.models = os.path.join(self.root, "models")
@@ -138,6 +175,7 @@ class Runtime:
             "WORKERS_WARM": "1",
             "METRICS_PORT": "0",
             "LOG_LEVEL": "info",
+            **({} if preload_frameworks else {"WORKER_PRELOAD": "numpy"}),
             **env,
         }
         self.process: subprocess.Popen | None = None

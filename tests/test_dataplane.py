@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from harness import MiB, mesh_headers
+from harness import MiB, expect_status, mesh_headers, status_of
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.budget import ByteBudget
 from runtime.dataplane import ROUTED_HANDLERS_MAX, InferenceService
@@ -58,12 +58,6 @@ def request(model_name="served", **inputs):
     return message
 
 
-def code_and_details(call):
-    with pytest.raises(grpc.RpcError) as error:
-        call()
-    return error.value.code(), error.value.details()
-
-
 def test_routed_by_ascii_header(served):
     answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
                                      metadata=[("mm-model-id", "served")])
@@ -84,17 +78,17 @@ def test_binary_header_wins_over_the_ascii_one(served):
 
 
 def test_binary_header_that_is_not_utf8_is_invalid_argument(served):
-    code, details = code_and_details(lambda: served.infer.ModelInfer(
-        request(x=[[1, 2]]), metadata=[("mm-model-id-bin", b"\xff\xfe")]))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in details
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer,
+                          request(x=[[1, 2]]), metadata=[("mm-model-id-bin", b"\xff\xfe")])
+    assert "UTF-8" in error.details()
 
 
 @pytest.mark.parametrize("header", ["mm-model-id", "mm-model-id-bin"])
 def test_too_long_id_in_a_header_is_invalid_argument(served, header):
     model_id = "m" * 2000  # over modelspec.MAX_MODEL_ID_BYTES, under grpc's header limit
-    code, details = code_and_details(lambda: served.infer.ModelInfer(
-        request(x=[[1, 2]]), metadata=[(header, model_id.encode() if header.endswith("-bin") else model_id)]))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "longer" in details
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer, request(x=[[1, 2]]),
+                          metadata=[(header, model_id.encode() if header.endswith("-bin") else model_id)])
+    assert "longer" in error.details()
 
 
 def test_routed_by_field_1_without_headers(served):
@@ -110,34 +104,34 @@ def test_parameters_reach_predict(served):
 
 
 def test_unknown_model_is_not_found(served):
-    code, details = code_and_details(lambda: served.infer.ModelInfer(request(model_name="ghost", x=[[1, 2]])))
-    assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details
+    error = expect_status(grpc.StatusCode.NOT_FOUND, served.infer.ModelInfer,
+                          request(model_name="ghost", x=[[1, 2]]))
+    assert "ghost" in error.details()
 
 
 def test_no_model_id_anywhere_is_invalid_argument(served):
-    code, _ = code_and_details(lambda: served.infer.ModelInfer(request(model_name="", x=[[1, 2]])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer,
+                  request(model_name="", x=[[1, 2]]))
 
 
 def test_malformed_request_bytes_are_invalid_argument(served):
     raw = served.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-    code, _ = code_and_details(lambda: raw(b"\x0a\xff\xff\xff", metadata=None))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code, details = code_and_details(lambda: raw(b"\x0a\x06served\x2a\x03\x0a\xff", metadata=None))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not found" not in details.lower()
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\xff\xff\xff", metadata=None)
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\x06served\x2a\x03\x0a\xff",
+                          metadata=None)
+    assert "not found" not in error.details().lower()
 
 
 def test_bad_tensor_is_invalid_argument_and_not_model_not_found(served):
     message = request(x=[[1, 2]])
     message.inputs[0].shape[:] = [3, 2]
-    code, details = code_and_details(lambda: served.infer.ModelInfer(message))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "'x'" in details and "not found" not in details.lower()
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer, message)
+    assert "'x'" in error.details() and "not found" not in error.details().lower()
 
 
 def test_model_raising_is_internal_with_its_message(served):
-    code, details = code_and_details(lambda: served.infer.ModelInfer(request(boom=[1])))
-    assert code == grpc.StatusCode.INTERNAL and "cannot digest" in details
+    error = expect_status(grpc.StatusCode.INTERNAL, served.infer.ModelInfer, request(boom=[1]))
+    assert "cannot digest" in error.details()
 
 
 def test_16_mib_request_passes(served):
@@ -158,8 +152,7 @@ def test_model_metadata_from_the_model(served):
 def test_model_ready(served):
     assert served.infer.ModelReady(v2.ModelReadyRequest(name="served")).ready
     assert served.infer.ModelReady(v2.ModelReadyRequest(name="isvc"), metadata=mesh_headers(NON_ASCII_ID)).ready
-    code, _ = code_and_details(lambda: served.infer.ModelReady(v2.ModelReadyRequest(name="ghost")))
-    assert code == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, served.infer.ModelReady, v2.ModelReadyRequest(name="ghost"))
 
 
 def test_server_live_ready_metadata(served):
@@ -182,14 +175,14 @@ def test_reflection_lists_every_service(served):
 
 def test_unknown_method_is_unimplemented(served):
     raw = served.channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
-    code, _ = code_and_details(lambda: raw(b"", metadata=mesh_headers("served")))
-    assert code == grpc.StatusCode.UNIMPLEMENTED
+    expect_status(grpc.StatusCode.UNIMPLEMENTED, raw, b"", metadata=mesh_headers("served"))
 
 
 def test_worker_dying_mid_request_is_unavailable_then_the_model_heals(runtime):
     runtime.load("fragile", runtime.model_dir("fragile", MODEL))
-    code, details = code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="fragile", die=[1])))
-    assert code == grpc.StatusCode.UNAVAILABLE and "exit code 7" in details
+    error = expect_status(grpc.StatusCode.UNAVAILABLE, runtime.infer.ModelInfer,
+                          request(model_name="fragile", die=[1]))
+    assert "exit code 7" in error.details()
     answer = runtime.infer.ModelInfer(request(model_name="fragile", x=[[1, 2]]), timeout=30)
     assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
     runtime.unload("fragile")
@@ -207,13 +200,13 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
     """))
     outcome = []
     thread = threading.Thread(target=lambda: outcome.append(
-        code_and_details(lambda: runtime.infer.ModelInfer(request(model_name="slow", x=[1]), timeout=30))))
+        status_of(runtime.infer.ModelInfer, request(model_name="slow", x=[1]), timeout=30)))
     thread.start()
     time.sleep(0.5)
     runtime.unload("slow")
     thread.join(10)
     assert not thread.is_alive()
-    assert outcome[0][0] == grpc.StatusCode.NOT_FOUND
+    assert outcome == [grpc.StatusCode.NOT_FOUND]
 
 
 class _RecordingDispatcher:

@@ -51,11 +51,13 @@ def section(output: str, name: str) -> list[str]:
     return lines[start:end]
 
 
+@pytest.mark.slow  # this test and the next three share one run of the demo: about 10 s
 def test_demo_completes(demo):
     code, output, _ = demo
     assert code == 0, output
 
 
+@pytest.mark.slow
 def test_demo_prints_a_prediction_for_every_installed_example(demo):
     _, output, _ = demo
     answers = "\n".join(section(output, "infer"))
@@ -70,6 +72,7 @@ def test_demo_prints_a_prediction_for_every_installed_example(demo):
         assert "[0, 2]" in first or re.search(r"\[\[0\.9\d, .*\], \[.*, 0\.9\d\]\]", first), first
 
 
+@pytest.mark.slow
 def test_demo_prints_the_worker_table_and_the_memory_returned(demo):
     _, output, _ = demo
     table = section(output, "workers")
@@ -81,6 +84,7 @@ def test_demo_prints_the_worker_table_and_the_memory_returned(demo):
     assert returned and float(returned.group(1)) > 0, output
 
 
+@pytest.mark.slow
 def test_demo_leaves_no_process(demo):
     _, output, left = demo
     assert not left, f"left running: {[(p.pid, p.name()) for p in left]}"

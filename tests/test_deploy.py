@@ -497,6 +497,7 @@ def test_dockerignore_keeps_what_pip_install_needs():
     assert not dropped, f".dockerignore drops files the package build needs: {dropped}"
 
 
+@pytest.mark.slow  # pip builds a wheel
 def test_the_build_context_builds_the_package(tmp_path):
     """`pip install /src` as in the image, offline: a wheel from the context's files only."""
     try:

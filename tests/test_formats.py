@@ -21,13 +21,19 @@ import numpy as np
 import psutil
 import pytest
 
-from harness import REPO, MiB, Runtime, mesh_headers, tree
+from harness import REPO, MiB, Runtime, expect_status, mesh_headers, tree
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from runtime import modelspec, status
 from runtime.settings import Settings
 from workers import formats
 from workers.formats import common
+
+# The shared runtime preloads the frameworks, as in production: these tests measure them.
+PRELOAD_FRAMEWORKS = True
+# Importing every framework into the fork server, then loading and measuring each example,
+# takes about 20 s of the suite.
+pytestmark = pytest.mark.slow
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import make_examples  # noqa: E402  (scripts/make_examples.py)
@@ -80,12 +86,6 @@ def outputs_of(response: v2.ModelInferResponse) -> dict[str, np.ndarray]:
 def metadata(rt, model_id: str) -> v2.ModelMetadataResponse:
     return rt.infer.ModelMetadata(v2.ModelMetadataRequest(name=model_id), metadata=mesh_headers(model_id),
                                   timeout=10)
-
-
-def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as error:
-        call(*args, **kwargs)
-    return error.value
 
 
 # -- the frameworks called directly ------------------------------------------------------
@@ -224,8 +224,9 @@ def test_sklearn_predict_proba_only_when_asked(rt, loaded):
     assert list(outputs_of(infer(rt, model_id, make_examples.SAMPLE))) == ["predict"]
     only_proba = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["predict_proba"]))
     assert list(only_proba) == ["predict_proba"] and only_proba["predict_proba"].shape == (2, 3)
-    error = rpc_error(infer, rt, model_id, make_examples.SAMPLE, outputs=["decision_function"])
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "decision_function" in error.details()
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, infer, rt, model_id, make_examples.SAMPLE,
+                          outputs=["decision_function"])
+    assert "decision_function" in error.details()
 
 
 def test_sklearn_metadata(rt, loaded):
@@ -239,10 +240,11 @@ def test_sklearn_metadata(rt, loaded):
 @pytest.mark.parametrize("fmt", ["sklearn", "xgboost", "lightgbm"])
 def test_tabular_input_of_the_wrong_shape_is_invalid_argument(rt, loaded, fmt):
     model_id = loaded(fmt)
-    one_row = rpc_error(infer, rt, model_id, make_examples.SAMPLE[0])
-    assert one_row.code() == grpc.StatusCode.INVALID_ARGUMENT and "2-D" in one_row.details()
-    five = rpc_error(infer, rt, model_id, np.ones((1, 5), dtype=np.float32))
-    assert five.code() == grpc.StatusCode.INVALID_ARGUMENT and "takes 4" in five.details()
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    one_row = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE[0])
+    assert "2-D" in one_row.details()
+    five = expect_status(invalid, infer, rt, model_id, np.ones((1, 5), dtype=np.float32))
+    assert "takes 4" in five.details()
 
 
 @pytest.mark.parametrize("fmt", ["xgboost", "lightgbm"])
@@ -262,12 +264,14 @@ def test_onnx_uses_the_graph_names_and_types(rt, loaded):
         ("label", "INT64", [-1]), ("probabilities", "FP32", [-1, 3])]
     only_label = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["label"]))
     assert list(only_label) == ["label"] and list(only_label["label"]) == [0, 2]
-    wrong_name = rpc_error(infer, rt, model_id, make_examples.SAMPLE, name="x")
-    assert wrong_name.code() == grpc.StatusCode.INVALID_ARGUMENT and "'features'" in wrong_name.details()
-    wrong_type = rpc_error(infer, rt, model_id, make_examples.SAMPLE.astype(np.float64), datatype="FP64")
-    assert wrong_type.code() == grpc.StatusCode.INVALID_ARGUMENT and "FP32" in wrong_type.details()
-    wrong_shape = rpc_error(infer, rt, model_id, np.ones((2, 5), dtype=np.float32))
-    assert wrong_shape.code() == grpc.StatusCode.INVALID_ARGUMENT and "[-1, 4]" in wrong_shape.details()
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    wrong_name = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE, name="x")
+    assert "'features'" in wrong_name.details()
+    wrong_type = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE.astype(np.float64),
+                               datatype="FP64")
+    assert "FP32" in wrong_type.details()
+    wrong_shape = expect_status(invalid, infer, rt, model_id, np.ones((2, 5), dtype=np.float32))
+    assert "[-1, 4]" in wrong_shape.details()
 
 
 def test_pytorch_names_its_output_like_triton(rt, loaded):
@@ -394,8 +398,8 @@ def test_missing_framework_is_failed_precondition_naming_the_extra(tmp_path):
         for fmt in FRAMEWORKS.values():
             folder = touch(os.path.join(runtime.models, fmt.name), f"model{fmt.suffixes[0]}")
             for named in (fmt.name, None):
-                error = rpc_error(runtime.load, f"m-{fmt.name}", folder, fmt=named)
-                assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+                error = expect_status(grpc.StatusCode.FAILED_PRECONDITION, runtime.load, f"m-{fmt.name}",
+                                      folder, fmt=named)
                 assert f"pip install 'mesh-runtime[{fmt.extra}]'" in error.details()
                 assert runtime.model_workers() == 0, "refused before any worker was touched"
                 runtime.unload(f"m-{fmt.name}")

@@ -6,7 +6,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from harness import MiB, mesh_headers
+from harness import MiB, expect_status, mesh_headers, status_of
 from protos import grpc_predict_v2_pb2 as v2
 from workers import protocol
 
@@ -33,14 +33,6 @@ def _valid_request() -> bytes:
 VALID = _valid_request()
 
 
-def _code(call, body, metadata):
-    try:
-        call(body, metadata=metadata, timeout=10)
-        return grpc.StatusCode.OK
-    except grpc.RpcError as error:
-        return error.code()
-
-
 @st.composite
 def mutated(draw):
     data = bytearray(VALID)
@@ -62,7 +54,7 @@ def mutated(draw):
 @given(body=st.one_of(st.binary(max_size=300), mutated()), with_header=st.booleans())
 def test_fuzzed_model_infer_bytes_get_only_clear_answers(echo, body, with_header):
     call = echo.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-    code = _code(call, body, mesh_headers("echo") if with_header else None)
+    code = status_of(call, body, metadata=mesh_headers("echo") if with_header else None, timeout=10)
     assert code in ALLOWED, code
 
 
@@ -74,12 +66,13 @@ def test_runtime_serves_after_the_fuzzing(echo):
 def test_one_mib_model_id_is_invalid_argument(echo):
     call = echo.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
     body = v2.ModelInferRequest(model_name="m" * MiB).SerializeToString()
-    assert _code(call, body, None) == grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, call, body, timeout=10)
 
 
 def test_empty_model_id_is_invalid_argument(echo):
     call = echo.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-    assert _code(call, v2.ModelInferRequest().SerializeToString(), None) == grpc.StatusCode.INVALID_ARGUMENT
+    body = v2.ModelInferRequest().SerializeToString()
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, call, body, timeout=10)
 
 
 def test_rogue_peer_on_the_worker_socket_is_ignored(echo):

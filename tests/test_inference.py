@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from harness import MiB, Runtime, mesh_headers, wait_until
+from harness import MiB, Runtime, expect_status, mesh_headers, wait_until
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.replicas import PIPELINE_DEPTH
 
@@ -155,9 +155,8 @@ def test_requested_outputs_select_and_order(echo):
     request.outputs.add(name="a")
     assert [o.name for o in echo.infer.ModelInfer(request).outputs] == ["c", "a"]
     request.outputs.add(name="zzz")
-    with pytest.raises(grpc.RpcError) as error:
-        echo.infer.ModelInfer(request)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "zzz" in error.value.details()
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, echo.infer.ModelInfer, request)
+    assert "zzz" in error.details()
 
 
 @pytest.mark.parametrize("mutate, words", [
@@ -171,10 +170,8 @@ def test_bad_tensors_are_invalid_argument(echo, mutate, words):
     request.inputs.add(name="x", datatype="FP32", shape=[4])
     request.raw_input_contents.append(np.zeros(4, dtype=np.float32).tobytes())
     mutate(request)
-    with pytest.raises(grpc.RpcError) as error:
-        echo.infer.ModelInfer(request)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert words in error.value.details() and "not found" not in error.value.details().lower()
+    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, echo.infer.ModelInfer, request)
+    assert words in error.details() and "not found" not in error.details().lower()
 
 
 def test_16_mib_request_and_response(echo):
@@ -188,9 +185,7 @@ def test_16_mib_request_and_response(echo):
 
 def test_custom_method_without_allow_any_method_is_unimplemented(echo):
     call = echo.channel.unary_unary("/acme.Scorer/Score")
-    with pytest.raises(grpc.RpcError) as error:
-        call(b"payload", metadata=mesh_headers("echo"))
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    expect_status(grpc.StatusCode.UNIMPLEMENTED, call, b"payload", metadata=mesh_headers("echo"))
 
 
 # -- replicas, threads, queue, custom methods (their own runtime) --------------------------------
@@ -245,17 +240,14 @@ def test_custom_method_reaches_handle(replicated):
     call = replicated.channel.unary_unary("/acme.Scorer/Score")
     assert call(b"payload", metadata=mesh_headers("custom")) == b"acme.Scorer/Score|payload"
     replicated.load("no-handle", replicated.model_dir("no-handle", ECHO))
-    with pytest.raises(grpc.RpcError) as error:
-        call(b"payload", metadata=mesh_headers("no-handle"))
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    expect_status(grpc.StatusCode.UNIMPLEMENTED, call, b"payload", metadata=mesh_headers("no-handle"))
     replicated.unload("custom")
     replicated.unload("no-handle")
 
 
 def test_model_runtime_methods_are_never_forwarded(replicated):
-    with pytest.raises(grpc.RpcError) as error:
-        replicated.channel.unary_unary("/mmesh.ModelRuntime/noSuchCall")(b"", metadata=mesh_headers("x"))
-    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    call = replicated.channel.unary_unary("/mmesh.ModelRuntime/noSuchCall")
+    expect_status(grpc.StatusCode.UNIMPLEMENTED, call, b"", metadata=mesh_headers("x"))
 
 
 @pytest.fixture(scope="module")
@@ -288,10 +280,8 @@ def test_queue_overflow_is_resource_exhausted(single):
     # PIPELINE_DEPTH calls wait inside the worker, MODEL_QUEUE_MAX=2 in the front.
     waiting = [pool.submit(single.infer.ModelInfer, request, timeout=30) for _ in range(PIPELINE_DEPTH + 2)]
     time.sleep(0.5)
-    with pytest.raises(grpc.RpcError) as error:
-        single.infer.ModelInfer(request, timeout=30)
-    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "MODEL_QUEUE_MAX" in error.value.details()
+    error = expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, single.infer.ModelInfer, request, timeout=30)
+    assert "MODEL_QUEUE_MAX" in error.details()
     os.unlink(os.path.join(path, "hold"))
     for future in [running, *waiting]:
         assert future.result(timeout=30).outputs
@@ -305,9 +295,7 @@ def test_expired_request_is_dropped_not_run(single):
     request = v2.ModelInferRequest(model_name="deadlines")
     running = pool.submit(single.infer.ModelInfer, request, timeout=30)
     wait_until(lambda: _runs(path) == 1, what="the first call to run")
-    with pytest.raises(grpc.RpcError) as error:
-        single.infer.ModelInfer(request, timeout=0.3)
-    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, single.infer.ModelInfer, request, timeout=0.3)
     os.unlink(os.path.join(path, "hold"))
     assert running.result(timeout=30).outputs
     assert single.infer.ModelInfer(request, timeout=30).outputs  # the worker is free again

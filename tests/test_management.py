@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from harness import (ECHO_MODEL, MiB, Runtime, alive, allocating_model, tree,
+from harness import (ECHO_MODEL, MiB, Runtime, alive, allocating_model, expect_status, tree,
                      wait_until, write_model)
 from protos import model_runtime_pb2 as mm
 
@@ -23,18 +23,6 @@ GATED_MODEL = """
         def predict(self, inputs):
             return inputs
 """
-
-
-def code_of(call, *args, **kwargs) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as error:
-        call(*args, **kwargs)
-    return error.value.code()
-
-
-def error_of(call, *args, **kwargs) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as error:
-        call(*args, **kwargs)
-    return error.value
 
 
 # -- runtimeStatus -------------------------------------------------------------------
@@ -83,6 +71,7 @@ def test_capacity_too_small_for_mesh_answers_failing():
         runtime.stop()
 
 
+@pytest.mark.slow  # waits out a 3 s import
 def test_starting_until_the_pool_is_ready():
     # tests/slow_import_for_tests.py takes 3 s to import in the fork server,
     # which holds the pool (and so READY) back while the server already answers.
@@ -109,7 +98,7 @@ def test_restart_purge_unloads_everything_before_ready(rt):
     status = rt.mesh.runtimeStatus(mm.RuntimeStatusRequest())
     assert status.status == mm.RuntimeStatusResponse.READY
     assert not worker.is_running() or worker.status() == "zombie"
-    assert code_of(rt.infer_fp32, "purge-a", [1.0]) == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "purge-a", [1.0])
     rt.unload("purge-a")
 
 
@@ -127,7 +116,7 @@ def test_load_infer_unload(rt):
     assert list(answer.outputs[0].contents.fp32_contents) == [1.5, 2.5]
     rt.unload("echo__isvc-0123456789")
     assert not worker.is_running()  # gone and reaped by the time unload returned
-    assert code_of(rt.infer_fp32, "echo__isvc-0123456789", [1.0]) == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "echo__isvc-0123456789", [1.0])
 
 
 def test_format_from_model_type_and_from_files(rt):
@@ -173,8 +162,7 @@ def _assert_refused_cleanly(rt, model_id, path, expected, words, model_type="", 
     before = {p.pid for p in rt.workers()}
     request = mm.LoadModelRequest(modelId=model_id, modelType=model_type, modelPath=path,
                                   modelKey=key if key is not None else json.dumps({"model_type": {"name": fmt}}))
-    error = error_of(rt.mesh.loadModel, request, timeout=60)
-    assert error.code() == expected, error.details()
+    error = expect_status(expected, rt.mesh.loadModel, request, timeout=60)
     assert words in error.details()
     assert "not found" not in error.details().lower()
     assert rt.model_workers() == 0
@@ -262,12 +250,12 @@ def test_worker_dying_during_load(rt):
     _assert_refused_cleanly(rt, "dies", path, grpc.StatusCode.FAILED_PRECONDITION, "exit code 3")
 
 
+@pytest.mark.slow  # waits out LOADTIME_TIMEOUT
 def test_load_timeout_enforced_by_the_runtime(rt):
     # The shared runtime has LOADTIME_TIMEOUT=5000; this model sleeps 60 s.
     path = rt.model_dir("sleepy", allocating_model(1, sleep_s=60))
     open(os.path.join(path, "slow"), "w").close()
-    error = error_of(rt.load, "sleepy", path, timeout=None)
-    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    error = expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, rt.load, "sleepy", path, timeout=None)
     assert "LOADTIME_TIMEOUT" in error.details()
     assert rt.worker_for("sleepy") is None and rt.model_workers() == 0
     rt.unload("sleepy")
@@ -295,7 +283,7 @@ def test_unload_unknown_model_is_ok(rt):
 
 
 def test_model_size_unknown_is_not_found(rt):
-    assert code_of(rt.mesh.modelSize, mm.ModelSizeRequest(modelId="never-loaded")) == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.mesh.modelSize, mm.ModelSizeRequest(modelId="never-loaded"))
 
 
 def test_predict_model_size_from_files(rt):
@@ -314,12 +302,13 @@ def test_predict_model_size_from_files(rt):
 
 def test_predict_model_size_bad_path(rt):
     request = mm.PredictModelSizeRequest(modelId="x", modelPath="/etc", modelKey="")
-    assert code_of(rt.mesh.predictModelSize, request) == grpc.StatusCode.INVALID_ARGUMENT
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, rt.mesh.predictModelSize, request)
 
 
 # -- memory ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # allocates 300 MiB and waits for memory to settle three times
 def test_memory_back_after_unload_and_size_matches_growth(rt):
     warm_up = rt.model_dir("warm-up")
     rt.load("warm-up", warm_up)
@@ -335,6 +324,7 @@ def test_memory_back_after_unload_and_size_matches_growth(rt):
     assert abs(after - before) <= 2 * MiB, f"before {before}, after {after}"
 
 
+@pytest.mark.slow  # allocates 200 MiB, waits for memory to settle twice, then 3 s more
 @pytest.mark.parametrize("unload_after", [0.0, 0.5, 3.0], ids=["immediately", "after-0.5s", "after-3s"])
 def test_cancelled_load_gives_memory_back(rt, unload_after):
     model_id = f"cancel-{unload_after}"
@@ -352,10 +342,10 @@ def test_cancelled_load_gives_memory_back(rt, unload_after):
     rt.unload(model_id)
     assert not worker.is_running() or worker.status() == "zombie"
     assert rt.worker_for(model_id) is None
-    assert code_of(rt.infer_fp32, model_id, [1.0]) == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, model_id, [1.0])
     assert abs(rt.settled_uss() - before) <= 2 * MiB
     time.sleep(3)
-    assert code_of(rt.infer_fp32, model_id, [1.0]) == grpc.StatusCode.NOT_FOUND, "a late completion revived it"
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, model_id, [1.0])  # no late completion revived it
     os.unlink(os.path.join(path, "slow"))
     assert rt.load(model_id, path).sizeInBytes > 190 * MiB
     rt.unload(model_id)
@@ -377,7 +367,7 @@ def test_unload_during_load_cancels_it(rt):
     error = future.exception(timeout=10)
     assert error is not None and error.code() == grpc.StatusCode.CANCELLED
     open(os.path.join(path, "go"), "w").close()
-    assert code_of(rt.infer_fp32, "unload-mid-load", [1.0]) == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "unload-mid-load", [1.0])
 
 
 def test_load_unload_load_in_quick_succession_ends_loaded(rt):
@@ -415,8 +405,9 @@ def test_no_warm_spares_still_loads():
 def test_workers_max_refuses_a_load_beyond_the_cap():
     with Runtime(WORKERS_WARM="1", WORKERS_MAX="1") as runtime:
         runtime.load("first", runtime.model_dir("first"))
-        error = error_of(runtime.load, "second", runtime.model_dir("second"))
-        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKERS_MAX" in error.details()
+        second = runtime.model_dir("second")
+        error = expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, runtime.load, "second", second)
+        assert "WORKERS_MAX" in error.details()
         runtime.unload("first")
         runtime.load("second", runtime.model_dir("second"))
         runtime.unload("second")

@@ -66,6 +66,7 @@ def _read_everything(pid: int, outcomes: dict) -> None:
     assert memory.tree_pss(ME) > 0
 
 
+@pytest.mark.slow  # starts and kills a few hundred processes
 def test_readers_survive_processes_killed_under_them():
     outcomes = collections.Counter()
     stop = threading.Event()

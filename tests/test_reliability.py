@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from harness import MiB, Runtime, alive, tree, wait_until
+from harness import MiB, Runtime, alive, expect_status, tree, wait_until
 from runtime.replicas import PIPELINE_DEPTH
 from protos import grpc_predict_v2_pb2 as v2
 
@@ -46,12 +46,6 @@ def ask(runtime, model_id, trouble=None, timeout=30):
     if trouble:
         request.inputs.add(name=trouble, datatype="INT32", shape=[1]).contents.int_contents.append(0)
     return runtime.infer.ModelInfer(request, timeout=timeout)
-
-
-def failure(call):
-    with pytest.raises(grpc.RpcError) as error:
-        call()
-    return error.value.code(), error.value.details()
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +109,8 @@ def test_sigkill_under_traffic_fails_fast_and_heals(guarded, trouble):
 def test_segfault_fails_only_its_request(guarded, trouble):
     trouble("crasher")
     trouble("neighbour")
-    code, details = failure(lambda: ask(guarded, "crasher", "segv"))
-    assert code == grpc.StatusCode.UNAVAILABLE and "SIGSEGV" in details
+    error = expect_status(grpc.StatusCode.UNAVAILABLE, ask, guarded, "crasher", "segv")
+    assert "SIGSEGV" in error.details()
     assert ask(guarded, "neighbour").outputs
     assert ask(guarded, "crasher").outputs  # healed
     assert "died (killed by SIGSEGV); healing" in guarded.log()
@@ -125,15 +119,14 @@ def test_segfault_fails_only_its_request(guarded, trouble):
 def test_crash_loop_drops_the_model(guarded, trouble):
     trouble("looper", crashy=True)
     wait_until(lambda: "dropping looper" in guarded.log(), timeout=30, what="the crash loop to be noticed")
-    code, _ = failure(lambda: ask(guarded, "looper"))
-    assert code == grpc.StatusCode.NOT_FOUND
+    expect_status(grpc.StatusCode.NOT_FOUND, ask, guarded, "looper")
     assert guarded.worker_for("looper") is None
 
 
 def test_request_past_worker_request_timeout_kills_and_heals(guarded, trouble):
     first = trouble("sleeper")
-    code, details = failure(lambda: ask(guarded, "sleeper", "sleep"))
-    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "WORKER_REQUEST_TIMEOUT_MS" in details
+    error = expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, ask, guarded, "sleeper", "sleep")
+    assert "WORKER_REQUEST_TIMEOUT_MS" in error.details()
     wait_until(lambda: not alive([first]), what="the stuck worker to die")
     assert ask(guarded, "sleeper").outputs
 
@@ -148,8 +141,8 @@ def test_worker_that_stops_answering_heartbeats_is_killed(guarded, trouble):
 
 def test_memory_limit_gives_resource_exhausted_and_heals(guarded, trouble):
     first = trouble("greedy")
-    code, details = failure(lambda: ask(guarded, "greedy", "grow"))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKER_MEMORY_LIMIT_BYTES" in details
+    error = expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, ask, guarded, "greedy", "grow")
+    assert "WORKER_MEMORY_LIMIT_BYTES" in error.details()
     assert not alive([first])
     assert ask(guarded, "greedy").outputs
 
@@ -170,6 +163,7 @@ def test_workers_open_no_tcp_port(guarded, trouble):
         assert worker.net_connections(kind="inet") == []
 
 
+@pytest.mark.slow  # drains calls of 2 s each, then waits for the whole tree to end
 def test_sigterm_lets_calls_under_way_finish():
     runtime = Runtime().start()
     runtime.load("slow", runtime.model_dir("slow", """
@@ -201,34 +195,33 @@ def test_heal_without_a_free_worker_drops_the_model():
     with Runtime(WORKERS_WARM="0", WORKERS_MAX="2") as runtime:
         runtime.load("a", runtime.model_dir("a", TROUBLE))
         runtime.load("b", runtime.model_dir("b", TROUBLE))
-        code, _ = failure(lambda: ask(runtime, "a", "segv"))
-        assert code == grpc.StatusCode.UNAVAILABLE
+        expect_status(grpc.StatusCode.UNAVAILABLE, ask, runtime, "a", "segv")
         runtime.load("c", runtime.model_dir("c", TROUBLE))
         wait_until(lambda: "dropping a: cannot heal it" in runtime.log(), what="a to be dropped")
-        assert failure(lambda: ask(runtime, "a"))[0] == grpc.StatusCode.NOT_FOUND
+        expect_status(grpc.StatusCode.NOT_FOUND, ask, runtime, "a")
         assert ask(runtime, "b").outputs and ask(runtime, "c").outputs
 
 
+@pytest.mark.slow  # waits out a 3 s nap
 def test_a_call_its_client_gave_up_on_still_counts_as_work():
     # The caller leaves after 0.3 s; the worker naps 3 s, past the 1 s heartbeat
     # timeout: it is busy, not hung, so it must not be killed.
     with Runtime(WORKER_HEARTBEAT_TIMEOUT_MS="1000") as runtime:
         runtime.load("napper", runtime.model_dir("napper", TROUBLE))
         worker = runtime.worker_for("napper")
-        code, _ = failure(lambda: ask(runtime, "napper", "nap", timeout=0.3))
-        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, ask, runtime, "napper", "nap", timeout=0.3)
         time.sleep(3.5)
         assert alive([worker]), "a busy worker was killed as hung"
         assert ask(runtime, "napper").outputs
 
 
+@pytest.mark.slow  # waits out WORKER_REQUEST_TIMEOUT_MS
 def test_abandoned_stuck_calls_still_hit_the_request_timeout():
     with Runtime(WORKER_THREADS="2", WORKER_REQUEST_TIMEOUT_MS="1500") as runtime:
         runtime.load("stuck", runtime.model_dir("stuck", TROUBLE))
         first = runtime.worker_for("stuck")
         for _ in range(2):  # both threads; each caller is gone after 0.3 s
-            code, _ = failure(lambda: ask(runtime, "stuck", "sleep", timeout=0.3))
-            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, ask, runtime, "stuck", "sleep", timeout=0.3)
         wait_until(lambda: not alive([first]), timeout=10, what="the stuck worker to be killed")
         assert ask(runtime, "stuck").outputs
 
@@ -327,6 +320,7 @@ def test_callers_in_line_when_a_worker_dies_wait_for_its_replacement():
             assert call.result(30).outputs[0].contents.int64_contents[0] != victim.pid
 
 
+@pytest.mark.slow  # a line of calls of 1 s each
 def test_time_in_line_counts_against_the_deadline_the_worker_gets():
     """A call that waited in line is dropped by the worker once its client's deadline passed."""
     with Runtime(WORKERS_WARM="1") as rt:
