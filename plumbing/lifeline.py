@@ -6,6 +6,7 @@ forked us exits; the fork server forks from its only thread and the front
 starts the fork server from its main thread, so "thread" means "process"
 here.
 """
+
 import ctypes
 import os
 import signal

@@ -4,6 +4,7 @@ Text: one line per event. LOG_FORMAT=json: one JSON object per line with
 time, level, process role, pid, message, and model_id when the event concerns
 a model (pass it as `extra={"model_id": ...}`).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                    + f".{int(record.msecs):03d}Z",
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "role": self.role,
             "pid": record.process,
@@ -41,8 +42,9 @@ def setup(role: str, level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter(role))
     else:
-        handler.setFormatter(logging.Formatter(
-            f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -12,6 +12,7 @@ preemption and nothing else: same nice level, same share of the CPU, and an
 idle CPU still takes a waking worker at once. The front starts grpc's threads
 the same way (runtime/server.py).
 """
+
 import contextlib
 import os
 

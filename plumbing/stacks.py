@@ -3,8 +3,10 @@
 A worker registers faulthandler for SIGUSR1 at start; the admin `stacks`
 command signals it and reads the file it wrote (runtime/admin/stacks.py).
 """
+
 import os
 import signal
+
 
 def stacks_path(runtime_dir: str, pid: int) -> str:
     """Where a worker's faulthandler writes its thread stacks on SIGUSR1."""
@@ -14,6 +16,7 @@ def stacks_path(runtime_dir: str, pid: int) -> str:
 def dump_stacks_on_sigusr1(runtime_dir: str) -> None:
     """Lets the front read this process's Python stacks without stopping it."""
     import faulthandler
+
     path = stacks_path(runtime_dir, os.getpid())
     # Private, and never through a symlink: the stacks may show model data.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

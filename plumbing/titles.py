@@ -4,6 +4,7 @@ A front can then tell the processes an earlier front on the same folder left
 (its own to kill) from anything else. /proc/PID/environ cannot tell:
 setproctitle writes over it.
 """
+
 import logging
 
 from setproctitle import setproctitle

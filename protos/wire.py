@@ -14,6 +14,7 @@
 
 Shared by the front and the workers, like the generated code beside it.
 """
+
 from __future__ import annotations
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5

@@ -2,4 +2,5 @@
 
 It never imports model code or decodes tensors; see ../README.md.
 """
+
 __version__ = "0.1.0"

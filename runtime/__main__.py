@@ -3,6 +3,7 @@
 Kept to light imports: multiprocessing may import the main module of the
 front in places, and it should cost nothing there.
 """
+
 import sys
 
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mesh-runtime: {error}", file=sys.stderr)
         return 2
     from runtime.server import run
+
     return run(settings)
 
 

@@ -18,6 +18,7 @@ Two kinds of bytes count against FRONT_BYTES_MAX:
   runtime/server.py), so at most READ_LINE_MAX calls wait; the next one is
   refused at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,10 @@ class ByteBudget:
         return True
 
     async def start_reading(self) -> None:
-        """Returns once a request of the largest allowed size fits; that much stays reserved until done_reading()."""
+        """Returns once a request of the largest allowed size fits.
+
+        That much stays reserved until done_reading().
+        """
         if self.try_start_reading():
             return
         if len(self._readers) >= READ_LINE_MAX:

@@ -25,13 +25,13 @@ yielding left the sklearn model under its target in two scripts/bench runs
 ((c)/(d) 2.60x and 2.67x at 16 clients, against 3.05x-3.90x before), and cost
 12 % at one client with the runtime pinned to one CPU.
 """
+
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from typing import Callable
-
+from collections.abc import Callable
 
 # A turn after which the loop's thread had used less CPU than this found the
 # loop with nothing else to do. An idle turn takes 2-10 µs of CPU; a turn that

@@ -6,12 +6,14 @@ replies included, is shown to the `on_event` callback first (hello, pong,
 liveness). `fail_peer()` fails every request still waiting on a worker that
 died, so no caller waits on a dead process.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -106,9 +108,16 @@ class Channel:
         finally:
             self._drain()  # the send may have swallowed the descriptor's edge
 
-    def submit(self, peer: bytes, op: str, payloads: Sequence[Any] = (),
-               on_end: Callable[[], None] | None = None, overdue_after: float | None = None,
-               on_overdue: Callable[[], BaseException] | None = None, **fields: Any) -> asyncio.Future:
+    def submit(
+        self,
+        peer: bytes,
+        op: str,
+        payloads: Sequence[Any] = (),
+        on_end: Callable[[], None] | None = None,
+        overdue_after: float | None = None,
+        on_overdue: Callable[[], BaseException] | None = None,
+        **fields: Any,
+    ) -> asyncio.Future:
         """Sends op to the worker; the future resolves to its (reply header, payload frames).
 
         `on_end` runs once the worker has answered or died, whether or not
@@ -137,8 +146,9 @@ class Channel:
             self.busy_poller.arm()
         return future
 
-    async def request(self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
-                      ) -> tuple[dict, list]:
+    async def request(
+        self, peer: bytes, op: str, payloads: Sequence[Any] = (), **fields: Any
+    ) -> tuple[dict, list]:
         """submit(), awaited."""
         return await self.submit(peer, op, payloads, **fields)
 

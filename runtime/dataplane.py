@@ -20,6 +20,7 @@ that cost about 4 % of the front's instructions per echo call (callgrind).
 With ALLOW_ANY_METHOD, any other unary method is forwarded as bytes too; the
 worker hands it to the model's handle(method, request_bytes).
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,11 +72,14 @@ def model_id_in_request(request: bytes) -> str:
     except wire.TooManyFields:
         raise status.invalid_argument(
             f"no model id in the request's first {ID_SEARCH_MAX_FIELDS} fields: send the mm-model-id "
-            "header, or put the model name first") from None
+            "header, or put the model name first"
+        ) from None
     except wire.WireError as error:
         raise status.invalid_argument(f"request is not a valid protobuf message: {error}") from None
     if not model_id:
-        raise status.invalid_argument("no model id: send the mm-model-id header or set the request's model name")
+        raise status.invalid_argument(
+            "no model id: send the mm-model-id header or set the request's model name"
+        )
     modelspec.check_model_id(model_id)
     return model_id
 
@@ -92,8 +96,9 @@ class InferenceService(grpc.GenericRpcHandler):
         self.metrics = dispatcher.supervisor.metrics
         self.allow_any_method = allow_any_method
         # Method path -> (method, metric label), for the methods every worker serves.
-        self._forwarded = {f"/{name}": self._forwarded_as(name)
-                           for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)}
+        self._forwarded = {
+            f"/{name}": self._forwarded_as(name) for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)
+        }
         self._routed: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
         # Deserialisers rather than classes: protobuf ships no stubs, so the classes would join to object.
         local = {
@@ -104,9 +109,14 @@ class InferenceService(grpc.GenericRpcHandler):
         }
         self._handlers = {}
         for name, (handler, deserialize) in local.items():
-            self._handlers[f"/{name}"] = reading.budgeted(grpc.unary_unary_rpc_method_handler(
-                handler, request_deserializer=deserialize,
-                response_serializer=lambda message: message.SerializeToString()), self.budget)
+            self._handlers[f"/{name}"] = reading.budgeted(
+                grpc.unary_unary_rpc_method_handler(
+                    handler,
+                    request_deserializer=deserialize,
+                    response_serializer=lambda message: message.SerializeToString(),
+                ),
+                self.budget,
+            )
 
     def service(self, handler_call_details):
         method = handler_call_details.method

@@ -6,6 +6,7 @@ model's line), send the request bytes, await the reply, map the outcome to a
 status, splice the reply's frames into one response. The model's life cycle
 (load, heal, unload) is the supervisor's; the worker socket is the pool's.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +17,9 @@ from protos import wire
 from runtime import status
 from runtime.budget import ByteBudget
 from runtime.channel import PeerGone
+from runtime.model import Model
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
-from runtime.model import Model
 from runtime.supervisor import Supervisor
 from runtime.worker import KillCause, Worker
 from workers import protocol
@@ -51,8 +52,9 @@ class Dispatcher:
         worker.served += 1
         return self._response(model_id, frames, reply.get("append_field"))
 
-    async def _run(self, model: Model, method: str, request: bytes, timeout: float | None
-                   ) -> tuple[Worker, dict, list]:
+    async def _run(
+        self, model: Model, method: str, request: bytes, timeout: float | None
+    ) -> tuple[Worker, dict, list]:
         """Picks a replica, sends the call and awaits its reply; the deadline covers time in line too."""
         worker = None
         try:
@@ -70,8 +72,9 @@ class Dispatcher:
             raise _death_status(model, worker, gone.exit_code) from None
         return worker, reply, frames
 
-    def _send(self, model: Model, worker: Worker, method: str, request: bytes,
-              deadline: float | None) -> asyncio.Future:
+    def _send(
+        self, model: Model, worker: Worker, method: str, request: bytes, deadline: float | None
+    ) -> asyncio.Future:
         """Sends the call; its replica slot is freed when the worker is done with it.
 
         A caller that gives up cancels only the future: the call stays counted
@@ -80,10 +83,14 @@ class Dispatcher:
         """
         limit_ms = self.request_limit_ms
         return self.pool.submit_call(
-            worker, method, request, deadline,
+            worker,
+            method,
+            request,
+            deadline,
             on_end=lambda: model.replicas.release(worker),
             overdue_after=limit_ms / 1000 if limit_ms else None,
-            on_overdue=lambda: self._overdue(worker))
+            on_overdue=lambda: self._overdue(worker),
+        )
 
     def _overdue(self, worker: Worker) -> status.RpcError:
         """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""

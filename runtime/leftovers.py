@@ -7,6 +7,7 @@ A record alone is no licence to kill, though: the purge kills only a process
 of the runtime's uid whose title marks it as a mesh-runtime process of this
 very RUNTIME_DIR (plumbing/titles.py), and leaves anything else alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,9 @@ class ProcessRegistry:
             started = psutil.Process(pid).create_time()
         except psutil.NoSuchProcess:
             return
-        fd = os.open(os.path.join(self.folder, str(pid)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS,
-                     0o600)
+        fd = os.open(
+            os.path.join(self.folder, str(pid)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS, 0o600
+        )
         with open(fd, "w") as record:
             record.write(repr(started))
 
@@ -94,13 +96,21 @@ class ProcessRegistry:
         ours = os.getuid()
         if uids.real != ours or uids.effective != ours:
             stranger = uids.real if uids.real != ours else uids.effective
-            log.warning("leaving pid %d alone: it runs as uid %d, not as the runtime's uid %d",
-                        process.pid, stranger, ours)
+            log.warning(
+                "leaving pid %d alone: it runs as uid %d, not as the runtime's uid %d",
+                process.pid,
+                stranger,
+                ours,
+            )
             return False
         if not titles.is_runtime_process_of(cmdline, self.runtime_dir):
             shown = " ".join(part for part in cmdline if part)[:120]
-            log.warning("leaving pid %d alone: its title %r does not mark it as a mesh-runtime process of %s",
-                        process.pid, shown, self.runtime_dir)
+            log.warning(
+                "leaving pid %d alone: its title %r does not mark it as a mesh-runtime process of %s",
+                process.pid,
+                shown,
+                self.runtime_dir,
+            )
             return False
         return True
 

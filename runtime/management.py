@@ -3,6 +3,7 @@
 Thin on purpose: validate the request (runtime/modelspec.py), ask the
 supervisor, build the response. Status codes come from runtime/status.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,9 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
         self.supervisor = supervisor
 
     def _resolve(self, request) -> modelspec.ModelSpec:
-        return modelspec.resolve(request.modelId, request.modelType, request.modelPath,
-                                 request.modelKey, self.settings)
+        return modelspec.resolve(
+            request.modelId, request.modelType, request.modelPath, request.modelKey, self.settings
+        )
 
     @status.translated
     async def loadModel(self, request, context):
@@ -70,8 +72,11 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
         await self.supervisor.purge()
         capacity = await asyncio.to_thread(self.supervisor.capacity)
         if capacity < minimum_capacity(self.settings.default_modelsize):
-            log.error("capacity %d bytes is below what model-mesh accepts (%d); answering FAILING",
-                      capacity, minimum_capacity(self.settings.default_modelsize))
+            log.error(
+                "capacity %d bytes is below what model-mesh accepts (%d); answering FAILING",
+                capacity,
+                minimum_capacity(self.settings.default_modelsize),
+            )
             return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.FAILING)
         return pb.RuntimeStatusResponse(
             status=pb.RuntimeStatusResponse.READY,
@@ -80,8 +85,10 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
             modelLoadingTimeoutMs=self.settings.loadtime_timeout,
             defaultModelSizeInBytes=self.settings.default_modelsize,
             runtimeVersion=__version__,
-            methodInfos={name: pb.RuntimeStatusResponse.MethodInfo(idInjectionPath=path)
-                         for name, path in METHOD_INFOS.items()},
+            methodInfos={
+                name: pb.RuntimeStatusResponse.MethodInfo(idInjectionPath=path)
+                for name, path in METHOD_INFOS.items()
+            },
             limitModelConcurrency=self.settings.limit_model_concurrency,
             allowAnyMethod=self.settings.allow_any_method,
         )

@@ -12,6 +12,7 @@ kernel then answers ESRCH (exiting, or a zombie), ENOENT (reaped) or EACCES
 contract: psutil.NoSuchProcess for a process that is gone, psutil.AccessDenied
 for one that is not ours; callers catch psutil.Error.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ Label values for `model` are only ever ids of loaded models, and a model's
 series are removed when it goes: a client sending random ids cannot grow the
 metric set.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -51,12 +52,22 @@ class Metrics:
         self._calls: dict[tuple[str, str], CallTally] = {}  # (model, method) -> its tally
         self.registry.register(_CallCollector(self._calls))
         self.loads = Counter("mesh_loads", "loadModel calls by outcome", ["outcome"], registry=self.registry)
-        self.load_seconds = Histogram("mesh_load_seconds", "Time to load a model, by outcome", ["outcome"],
-                                      buckets=LOAD_BUCKETS, registry=self.registry)
-        self.unloads = Counter("mesh_unloads", "Models unloaded (unloadModel, purge or a dropped model)",
-                               registry=self.registry)
-        self.restarts = Counter("mesh_worker_restarts", "Model workers that died and were replaced, by cause",
-                                ["model", "cause"], registry=self.registry)
+        self.load_seconds = Histogram(
+            "mesh_load_seconds",
+            "Time to load a model, by outcome",
+            ["outcome"],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.unloads = Counter(
+            "mesh_unloads", "Models unloaded (unloadModel, purge or a dropped model)", registry=self.registry
+        )
+        self.restarts = Counter(
+            "mesh_worker_restarts",
+            "Model workers that died and were replaced, by cause",
+            ["model", "cause"],
+            registry=self.registry,
+        )
         self._restarted = collections.defaultdict(set)  # model -> causes, to remove when it goes
 
     def serve(self, port: int, supervisor) -> None:
@@ -85,7 +96,10 @@ class Metrics:
             del self._calls[key]
 
 
-_BOUNDS = (*map(floatToGoString, LATENCY_BUCKETS), "+Inf")  # the `le` labels, as prometheus_client writes them
+_BOUNDS = (
+    *map(floatToGoString, LATENCY_BUCKETS),
+    "+Inf",
+)  # the `le` labels, as prometheus_client writes them
 
 
 class _CallCollector:
@@ -95,16 +109,22 @@ class _CallCollector:
         self.calls = calls
 
     def collect(self):
-        requests = CounterMetricFamily("mesh_requests", "Inference calls answered, by model, method and gRPC code",
-                                       labels=["model", "method", "code"])
-        latency = HistogramMetricFamily("mesh_request_seconds", "Time to answer an inference call, in the front",
-                                        labels=["model", "method"])
+        requests = CounterMetricFamily(
+            "mesh_requests",
+            "Inference calls answered, by model, method and gRPC code",
+            labels=["model", "method", "code"],
+        )
+        latency = HistogramMetricFamily(
+            "mesh_request_seconds",
+            "Time to answer an inference call, in the front",
+            labels=["model", "method"],
+        )
         # list(): one step under the GIL, so the event loop cannot resize the dict mid-walk.
         for (model_id, method), tally in list(self.calls.items()):
             for code, count in list(tally.codes.items()):
                 requests.add_metric([model_id, method, code], count)
             cumulative, buckets = 0, []
-            for bound, count in zip(_BOUNDS, tally.buckets):
+            for bound, count in zip(_BOUNDS, tally.buckets, strict=True):
                 cumulative += count
                 buckets.append((bound, cumulative))
             latency.add_metric([model_id, method], buckets, sum_value=tally.seconds)
@@ -120,10 +140,15 @@ class _StateCollector:
 
     def collect(self):
         models = self.supervisor.models()  # a snapshot list: safe to walk from this thread
-        waiting = GaugeMetricFamily("mesh_queue_depth", "Calls waiting for a free worker, per model", labels=["model"])
-        size = GaugeMetricFamily("mesh_model_memory_bytes", "Measured memory (USS) of each loaded model",
-                                 labels=["model"])
-        ready = GaugeMetricFamily("mesh_model_ready_replicas", "Workers ready to serve each model", labels=["model"])
+        waiting = GaugeMetricFamily(
+            "mesh_queue_depth", "Calls waiting for a free worker, per model", labels=["model"]
+        )
+        size = GaugeMetricFamily(
+            "mesh_model_memory_bytes", "Measured memory (USS) of each loaded model", labels=["model"]
+        )
+        ready = GaugeMetricFamily(
+            "mesh_model_ready_replicas", "Workers ready to serve each model", labels=["model"]
+        )
         for model in models:
             waiting.add_metric([model.model_id], model.replicas.waiting)
             size.add_metric([model.model_id], model.size)
@@ -131,9 +156,15 @@ class _StateCollector:
         yield from (waiting, size, ready)
         used = sum(m.size for m in models)
         capacity = self.supervisor.capacity_bytes
-        yield GaugeMetricFamily("mesh_capacity_bytes", "capacityInBytes reported to model-mesh", value=capacity)
+        yield GaugeMetricFamily(
+            "mesh_capacity_bytes", "capacityInBytes reported to model-mesh", value=capacity
+        )
         yield GaugeMetricFamily("mesh_capacity_used_bytes", "Memory the loaded models use", value=used)
-        yield GaugeMetricFamily("mesh_capacity_free_bytes", "Capacity not used by loaded models",
-                                value=max(0, capacity - used))
-        yield GaugeMetricFamily("mesh_warm_spares", "Idle workers ready for the next load",
-                                value=len(self.supervisor.pool.spares()))
+        yield GaugeMetricFamily(
+            "mesh_capacity_free_bytes", "Capacity not used by loaded models", value=max(0, capacity - used)
+        )
+        yield GaugeMetricFamily(
+            "mesh_warm_spares",
+            "Idle workers ready for the next load",
+            value=len(self.supervisor.pool.spares()),
+        )

@@ -6,6 +6,7 @@
 `change_state()` refuses any other move. The supervisor makes every move
 (runtime/supervisor.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,8 +51,9 @@ class Model:
 
     def change_state(self, new: ModelState) -> None:
         if new not in _MOVES[self.state]:
-            raise IllegalTransition(f"model {self.model_id!r}: {self.state.value} -> {new.value} "
-                                    "is not a move a model makes")
+            raise IllegalTransition(
+                f"model {self.model_id!r}: {self.state.value} -> {new.value} is not a move a model makes"
+            )
         self.state = new
 
     @property

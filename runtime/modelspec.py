@@ -11,6 +11,7 @@ model-mesh that nothing was loaded):
   (`mt:<format>[:<version>]`), else the files, and is one we know;
 - the format's framework is installed and its files are there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,13 +35,19 @@ MAX_MODEL_FILES = 10000
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     model_id: str
-    path: str                # absolute, symlinks resolved
+    path: str  # absolute, symlinks resolved
     format: formats.Format
-    disk_bytes: int          # bytes of the model's files, following symlinks
+    disk_bytes: int  # bytes of the model's files, following symlinks
 
 
-def resolve(model_id: str, model_type: str, model_path: str, model_key: str, settings: Settings,
-            known_formats: tuple[formats.Format, ...] = formats.FORMATS) -> ModelSpec:
+def resolve(
+    model_id: str,
+    model_type: str,
+    model_path: str,
+    model_key: str,
+    settings: Settings,
+    known_formats: tuple[formats.Format, ...] = formats.FORMATS,
+) -> ModelSpec:
     check_loadable_id(model_id)
     key = parse_key(model_key)
     path, disk_bytes = checked_path(model_path, settings)
@@ -48,10 +55,12 @@ def resolve(model_id: str, model_type: str, model_path: str, model_key: str, set
     if fmt.framework and importlib.util.find_spec(fmt.framework) is None:
         raise status.failed_precondition(
             f"format {fmt.name!r} needs {fmt.framework}, which is not installed: "
-            f"pip install 'mesh-runtime[{fmt.extra}]'")
+            f"pip install 'mesh-runtime[{fmt.extra}]'"
+        )
     if os.path.isdir(path) and not any(fmt.matches(name) for name in os.listdir(path)):
-        raise status.failed_precondition(f"{model_path} holds no file of format {fmt.name!r} "
-                                         f"({', '.join(fmt.file_names + fmt.suffixes)})")
+        raise status.failed_precondition(
+            f"{model_path} holds no file of format {fmt.name!r} ({', '.join(fmt.file_names + fmt.suffixes)})"
+        )
     return ModelSpec(model_id, path, fmt, disk_bytes)
 
 
@@ -73,7 +82,8 @@ def check_loadable_id(model_id: str) -> None:
     control = _CONTROL_CHARACTER.search(model_id)
     if control is not None:
         raise status.invalid_argument(
-            f"modelId {model_id!r} holds the control character {control.group()!r} at {control.start()}")
+            f"modelId {model_id!r} holds the control character {control.group()!r} at {control.start()}"
+        )
 
 
 def parse_key(model_key: str) -> dict[str, Any]:
@@ -118,7 +128,8 @@ def _checked_target(path: str, shown: str, allowed: tuple[str, ...]) -> str:
     real = os.path.realpath(path)
     if not any(_inside(real, folder) for folder in allowed):
         raise status.invalid_argument(
-            f"modelPath {shown} leads through a symlink to {real}, outside ROOT_MODEL_DIR and PVC_MOUNTS_DIR")
+            f"modelPath {shown} leads through a symlink to {real}, outside ROOT_MODEL_DIR and PVC_MOUNTS_DIR"
+        )
     if not os.path.exists(real):
         raise status.failed_precondition(f"modelPath {shown}: {path} is a broken symlink")
     return real
@@ -131,10 +142,9 @@ def _walk(path: str, shown: str):
         return
     count = 0
     for folder, dirs, files in os.walk(path, followlinks=True):
-        for name in dirs + files:
-            count += 1
-            if count > MAX_MODEL_FILES:
-                raise status.failed_precondition(f"modelPath {shown} holds more than {MAX_MODEL_FILES} files")
+        count += len(dirs) + len(files)
+        if count > MAX_MODEL_FILES:
+            raise status.failed_precondition(f"modelPath {shown} holds more than {MAX_MODEL_FILES} files")
         for name in files:
             yield os.path.join(folder, name)
 
@@ -151,8 +161,9 @@ def format_name_from(key: dict[str, Any], model_type: str) -> str | None:
     return None
 
 
-def detect_format(key: dict[str, Any], model_type: str, path: str,
-                  known_formats: tuple[formats.Format, ...]) -> formats.Format:
+def detect_format(
+    key: dict[str, Any], model_type: str, path: str, known_formats: tuple[formats.Format, ...]
+) -> formats.Format:
     name = format_name_from(key, model_type)
     known = ", ".join(f.name for f in known_formats)
     if name is not None:
@@ -166,7 +177,8 @@ def detect_format(key: dict[str, Any], model_type: str, path: str,
             return fmt
     raise status.invalid_argument(
         f"cannot tell the model format from the files in {path}; name it in modelKey "
-        f"model_type.name (known: {known})")
+        f"model_type.name (known: {known})"
+    )
 
 
 def predicted_size(spec: ModelSpec, settings: Settings) -> int:

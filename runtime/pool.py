@@ -21,6 +21,7 @@ multiprocessing.Process objects are only touched from one thread, the
 spawner: starting a process talks to the fork server over a socket and
 blocks, which the event loop must not do.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,12 +37,12 @@ import signal
 import time
 
 import workers.main
+from plumbing import lifeline, stacks, titles
 from runtime import status
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker, WorkerState
-from plumbing import lifeline, stacks, titles
 from workers import protocol
 
 log = logging.getLogger("mesh.pool")
@@ -61,8 +62,11 @@ class WorkerPool:
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
         os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
-        self.channel = Channel(f"ipc://{settings.runtime_dir}/workers.sock", self._on_event,
-                               busy_poll_seconds=settings.busy_poll_us / 1e6)
+        self.channel = Channel(
+            f"ipc://{settings.runtime_dir}/workers.sock",
+            self._on_event,
+            busy_poll_seconds=settings.busy_poll_us / 1e6,
+        )
         self.ready = False
         self._on_worker_exit = on_worker_exit
         self._context = multiprocessing.get_context("forkserver")
@@ -167,14 +171,23 @@ class WorkerPool:
             raise PeerGone(worker.exited.result() if worker.exited.done() else None)
         worker.model_id = model_id
         worker.change_state(WorkerState.LOADING)
-        reply, _ = await self.channel.request(worker.identity, protocol.OP_LOAD, model_id=model_id,
-                                              format=format_name, path=path)
+        reply, _ = await self.channel.request(
+            worker.identity, protocol.OP_LOAD, model_id=model_id, format=format_name, path=path
+        )
         if reply["ok"] and worker.state is WorkerState.LOADING:  # not killed meanwhile
             worker.change_state(WorkerState.SERVING)
         return reply
 
-    def submit_call(self, worker: Worker, method: str, request: bytes, deadline: float | None,
-                    on_end, overdue_after: float | None, on_overdue) -> asyncio.Future:
+    def submit_call(
+        self,
+        worker: Worker,
+        method: str,
+        request: bytes,
+        deadline: float | None,
+        on_end,
+        overdue_after: float | None,
+        on_overdue,
+    ) -> asyncio.Future:
         """Sends one call; the future resolves to (reply header, payload frames) or raises PeerGone.
 
         `on_end` runs once the worker is done with the call (answered or died),
@@ -182,9 +195,16 @@ class WorkerPool:
         error ends the call, if it is still unanswered `overdue_after` seconds
         later (see Channel.submit).
         """
-        return self.channel.submit(worker.identity, protocol.OP_CALL, [request], on_end=on_end,
-                                   overdue_after=overdue_after, on_overdue=on_overdue,
-                                   method=method, deadline=deadline)
+        return self.channel.submit(
+            worker.identity,
+            protocol.OP_CALL,
+            [request],
+            on_end=on_end,
+            overdue_after=overdue_after,
+            on_overdue=on_overdue,
+            method=method,
+            deadline=deadline,
+        )
 
     def kill(self, worker: Worker, cause: KillCause, reason: str, grace: float = 0.0) -> None:
         """Ends a worker, remembering why: the one place the front decides that a worker must go.
@@ -199,8 +219,13 @@ class WorkerPool:
             worker.kill_cause, worker.kill_reason = cause, reason
             worker.change_state(WorkerState.CONDEMNED)
             extra = {"model_id": worker.model_id} if worker.model_id else None
-            log.log(logging.DEBUG if cause.expected else logging.WARNING, "killing %r: %s", worker, reason,
-                    extra=extra)
+            log.log(
+                logging.DEBUG if cause.expected else logging.WARNING,
+                "killing %r: %s",
+                worker,
+                reason,
+                extra=extra,
+            )
             if grace > 0:
                 worker.signal(signal.SIGTERM)
                 asyncio.get_running_loop().call_later(grace, worker.signal, signal.SIGKILL)
@@ -254,8 +279,9 @@ class WorkerPool:
             "log_level": self.settings.log_level,
             "log_format": self.settings.log_format,
         }
-        process = self._context.Process(target=workers.main.run, args=(config,),
-                                        name=f"mesh-worker-{identity.decode()}")
+        process = self._context.Process(
+            target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"
+        )
         worker = Worker(identity, process)
         self._starting += 1
         # Registered before it starts: its hello may arrive before we resume.
@@ -268,8 +294,9 @@ class WorkerPool:
                 self._workers.pop(identity, None)
                 raise
             loop.add_reader(process.sentinel, self._on_sentinel, worker)
-            await asyncio.wait([worker.ready, worker.exited], timeout=SPAWN_TIMEOUT,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [worker.ready, worker.exited], timeout=SPAWN_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+            )
             if not worker.ready.done() and worker.alive:
                 self.kill(worker, KillCause.NO_HELLO, f"it did not say hello within {SPAWN_TIMEOUT:.0f} s")
             if worker.ready.done() and worker.state is WorkerState.STARTING:
@@ -324,8 +351,12 @@ class WorkerPool:
         worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
         self.channel.fail_peer(worker.identity, code)
-        log.info("%r exited (%s)", worker, status.describe_exit(code),
-                 extra={"model_id": worker.model_id} if worker.model_id else None)
+        log.info(
+            "%r exited (%s)",
+            worker,
+            status.describe_exit(code),
+            extra={"model_id": worker.model_id} if worker.model_id else None,
+        )
         self._on_worker_exit(worker, code)
         self._schedule_refill()
 
@@ -362,8 +393,9 @@ class WorkerPool:
             late = now - due
             due = now + HEARTBEAT_SECONDS
             if late > STALL_SECONDS:
-                log.warning("the front's event loop stalled for %.1f s; no worker is judged on that silence",
-                            late)
+                log.warning(
+                    "the front's event loop stalled for %.1f s; no worker is judged on that silence", late
+                )
                 for worker in self._workers.values():
                     worker.last_seen = max(worker.last_seen, now)
             for worker in list(self._workers.values()):
@@ -372,7 +404,11 @@ class WorkerPool:
                 # A worker running a load or a call (one thread) cannot answer:
                 # LOADTIME_TIMEOUT and WORKER_REQUEST_TIMEOUT_MS watch those.
                 if not worker.busy and now - worker.last_seen > silence_limit:
-                    self.kill(worker, KillCause.HUNG, f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s")
+                    self.kill(
+                        worker,
+                        KillCause.HUNG,
+                        f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s",
+                    )
                     continue
                 try:
                     self.channel.send(worker.identity, ping)
@@ -392,8 +428,10 @@ def _stop_multiprocessing_helpers() -> None:
     multiprocessing offers no public call for this; its own tests use _stop().
     Both would also exit on their own once this process is gone.
     """
-    for helper in (getattr(multiprocessing.forkserver, "_forkserver", None),
-                   getattr(multiprocessing.resource_tracker, "_resource_tracker", None)):
+    for helper in (
+        getattr(multiprocessing.forkserver, "_forkserver", None),
+        getattr(multiprocessing.resource_tracker, "_resource_tracker", None),
+    ):
         stop = getattr(helper, "_stop", None)
         if stop is not None:
             try:

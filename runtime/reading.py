@@ -9,6 +9,7 @@ every unary method is served as stream-unary: the handler first waits for
 room in the budget (runtime/budget.py), then reads the one request. Clients
 see an ordinary unary method.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -12,6 +12,7 @@ is refused with RESOURCE_EXHAUSTED (model-mesh retries elsewhere). Whenever
 room appears (a call ends, a healed replica joins) the line is served in
 order. `fail_line()` ends every wait when the model goes away.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,11 @@ class ReplicaSet:
     def _least_busy(self) -> Worker | None:
         best = None
         for worker in self.workers:
-            if worker.in_flight < self.slots and worker.serving and (
-                    best is None or worker.in_flight < best.in_flight):
+            if (
+                worker.in_flight < self.slots
+                and worker.serving
+                and (best is None or worker.in_flight < best.in_flight)
+            ):
                 best = worker
         return best
 

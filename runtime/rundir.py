@@ -18,6 +18,7 @@ One front per folder: the front holds an exclusive flock on `front.lock` in
 it for its whole life, and a second front on the same folder stops before it
 changes anything in it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -49,7 +50,7 @@ class Lock:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "Lock":
+    def __enter__(self) -> Lock:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -63,7 +64,9 @@ def prepare(path: str) -> Lock:
     held: a second front must not empty the folder of a front that runs.
     """
     if len(os.path.join(path, "workers.sock")) > MAX_SOCKET_PATH:
-        raise RuntimeDirError(f"RUNTIME_DIR: {path} is too long for unix sockets (keep it under 85 characters)")
+        raise RuntimeDirError(
+            f"RUNTIME_DIR: {path} is too long for unix sockets (keep it under 85 characters)"
+        )
     loose = make_private(path)
     lock = take_lock(path)
     try:
@@ -78,7 +81,10 @@ def prepare(path: str) -> Lock:
 
 
 def make_private(path: str) -> str | None:
-    """Creates the folder or refuses a foreign one, then makes it 0700; says why, if others could write to it."""
+    """Creates the folder or refuses a foreign one, then makes it 0700.
+
+    Returns why it was not trusted, if others could write to it.
+    """
     info = _lstat_or_make(path)
     if stat.S_ISLNK(info.st_mode):
         raise RuntimeDirError(f"RUNTIME_DIR: {path} is a symlink; give the folder itself, not a link to it")
@@ -93,8 +99,9 @@ def make_private(path: str) -> str | None:
     try:
         info = os.fstat(fd)
         if info.st_uid != os.getuid():
-            raise RuntimeDirError(f"RUNTIME_DIR: {path} belongs to uid {info.st_uid}, not to the runtime's "
-                                  f"uid {os.getuid()}")
+            raise RuntimeDirError(
+                f"RUNTIME_DIR: {path} belongs to uid {info.st_uid}, not to the runtime's uid {os.getuid()}"
+            )
         os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
@@ -120,7 +127,10 @@ def _lstat_or_make(path: str) -> os.stat_result:
 
 
 def take_lock(path: str) -> Lock:
-    """The exclusive flock on RUNTIME_DIR/front.lock, with our pid written in it; refused if a front holds it."""
+    """The exclusive flock on RUNTIME_DIR/front.lock, with our pid written in it.
+
+    Refused (RuntimeDirError) if another front holds it.
+    """
     lock_path = os.path.join(path, LOCK_NAME)
     _drop_untrusted(lock_path)
     try:
@@ -133,8 +143,9 @@ def take_lock(path: str) -> Lock:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RuntimeDirError(f"RUNTIME_DIR: {path} is in use by another front (pid {holder}); "
-                              "one front per RUNTIME_DIR") from None
+        raise RuntimeDirError(
+            f"RUNTIME_DIR: {path} is in use by another front (pid {holder}); one front per RUNTIME_DIR"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return Lock(fd)
@@ -146,7 +157,9 @@ def _drop_untrusted(lock_path: str) -> None:
         info = os.lstat(lock_path)
     except FileNotFoundError:
         return
-    reason = _distrust(lock_path, info) or (None if stat.S_ISREG(info.st_mode) else "it is not a regular file")
+    reason = _distrust(lock_path, info) or (
+        None if stat.S_ISREG(info.st_mode) else "it is not a regular file"
+    )
     if reason:
         log.warning("RUNTIME_DIR lock file %s is not trusted: %s; replacing it", lock_path, reason)
         try:

@@ -5,18 +5,20 @@ mmesh.ModelRuntime, inference.GRPCInferenceService, grpc.health.v1 and
 reflection. The server answers at once; the worker pool starts behind it, and
 until it is ready runtimeStatus says STARTING and health says NOT_SERVING.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from plumbing import logsetup, priority, titles
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
 from runtime import __version__, reading, rundir
 from runtime.admin import AdminServer
@@ -27,7 +29,6 @@ from runtime.management import ModelRuntimeServicer
 from runtime.metrics import Metrics
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
-from plumbing import logsetup, priority, titles
 
 log = logging.getLogger("mesh.server")
 
@@ -47,7 +48,9 @@ def run(settings: Settings) -> int:
     logsetup.setup("front", settings.log_level, settings.log_format)
     titles.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
     if not priority.set_oom_score_adj(priority.FRONT_OOM_SCORE_ADJ):
-        log.info("cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it")
+        log.info(
+            "cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it"
+        )
     try:
         # Held for the front's whole life: the purge of leftovers and all the rest run under it.
         lock = rundir.prepare(settings.runtime_dir)
@@ -96,7 +99,9 @@ class StopSignals:
             self.requested.set()
         elif not self._told:
             self._told = True
-            log.info("already stopping: ignoring %s and any later SIGTERM or SIGINT", signal.Signals(signum).name)
+            log.info(
+                "already stopping: ignoring %s and any later SIGTERM or SIGINT", signal.Signals(signum).name
+            )
 
     def ignore_from_now_on(self, loop: asyncio.AbstractEventLoop) -> None:
         for signum in STOP_SIGNALS:
@@ -108,6 +113,7 @@ def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | N
     """For asyncio.Runner: uvloop's loop, or None for asyncio's own (EVENT_LOOP)."""
     if name == "uvloop":
         import uvloop  # settings checked that it is installed
+
         return uvloop.new_event_loop
     return None
 
@@ -152,37 +158,44 @@ class _Budgeted(grpc.GenericRpcHandler):
         return self._served[method]
 
 
-def build_server(settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher,
-                 health_servicer) -> grpc.aio.Server:
+def build_server(
+    settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher, health_servicer
+) -> grpc.aio.Server:
     limit = settings.grpc_max_message_bytes
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        # Without this a second runtime on the same port would bind silently.
-        ("grpc.so_reuseport", 0),
-        # HTTP/2 flow control: a stream waiting for room in the byte budget
-        # (runtime/reading.py) may have at most this much of its request sent
-        # ahead into the front. Bandwidth-delay probing would grow that window
-        # to tens of MiB per stream, so it is off; a stream being read is
-        # still let send its whole message. With a window this size, calls of
-        # 1 MiB go as fast as with probing (docs/hardening.md).
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            # Without this a second runtime on the same port would bind silently.
+            ("grpc.so_reuseport", 0),
+            # HTTP/2 flow control: a stream waiting for room in the byte budget
+            # (runtime/reading.py) may have at most this much of its request sent
+            # ahead into the front. Bandwidth-delay probing would grow that window
+            # to tens of MiB per stream, so it is off; a stream being read is
+            # still let send its whole message. With a window this size, calls of
+            # 1 MiB go as fast as with probing (docs/hardening.md).
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ]
+    )
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
     server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method)])
     generic_only = GenericHandlersOnly(server, dispatcher.budget)
-    model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(ModelRuntimeServicer(settings, supervisor), generic_only)
+    model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(
+        ModelRuntimeServicer(settings, supervisor), generic_only
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic_only)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
-        reflection.aio.ReflectionServicer(SERVICE_NAMES), generic_only)
+        reflection.aio.ReflectionServicer(SERVICE_NAMES), generic_only
+    )
     return server
 
 
-async def start_grpc_server(settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher,
-                            health_servicer) -> grpc.aio.Server | None:
+async def start_grpc_server(
+    settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher, health_servicer
+) -> grpc.aio.Server | None:
     """Builds, binds and starts the server; None, logged, if it cannot listen."""
     with grpc_threads_as_batch_work(settings):
         server = build_server(settings, supervisor, dispatcher, health_servicer)
@@ -212,8 +225,10 @@ def grpc_threads_as_batch_work(settings: Settings):
         return
     with priority.threads_started_here_run_as_batch_work() as batch:
         if not batch:
-            log.warning("the kernel refused SCHED_BATCH (GRPC_THREADS_SCHED_BATCH); grpc's threads may "
-                        "preempt the event loop")
+            log.warning(
+                "the kernel refused SCHED_BATCH (GRPC_THREADS_SCHED_BATCH); grpc's threads may "
+                "preempt the event loop"
+            )
         yield
 
 
@@ -244,9 +259,13 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     if server is None:
         return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("mesh-runtime %s listening on port %d%s (event loop: %s)", __version__, settings.runtime_port,
-             f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "",
-             type(asyncio.get_running_loop()).__module__.split(".")[0])
+    log.info(
+        "mesh-runtime %s listening on port %d%s (event loop: %s)",
+        __version__,
+        settings.runtime_port,
+        f" and unix:{settings.runtime_socket_path}" if settings.runtime_socket_path else "",
+        type(asyncio.get_running_loop()).__module__.split(".")[0],
+    )
 
     exit_code = 0
     admin = AdminServer(supervisor, settings)

@@ -6,6 +6,7 @@ SettingsError with a one-line message that names the variable. The README's
 environment table and `python -m runtime --help` are generated from the same
 list (tests/test_settings.py checks the README is in step).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,6 +71,7 @@ def _choice(*allowed: str) -> Callable[[str], str]:
         if value not in allowed:
             raise ValueError(f"expected one of {', '.join(allowed)}, got {text!r}")
         return value
+
     return parse
 
 
@@ -77,6 +79,7 @@ def _at_least(minimum: float) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if value < minimum:
             raise ValueError(f"must be at least {minimum}, got {value}")
+
     return check
 
 
@@ -110,6 +113,7 @@ def default_preload() -> tuple[str, ...]:
 def _front_bytes_default(so_far: dict[str, Any]) -> int:
     """A sixteenth of the container's memory: the front holds about twice what its calls hold."""
     from runtime import memory  # reads the cgroup; only needed when the default is used
+
     container = memory.container_memory(so_far["container_mem_req_bytes"])
     return max(so_far["grpc_max_message_bytes"], container // 16)
 
@@ -122,8 +126,9 @@ def _check_together(values: dict[str, Any]) -> None:
     largest = values["grpc_max_message_bytes"]
     for name in _ADMIT_A_WHOLE_MESSAGE:
         if values[name.lower()] < largest:
-            raise SettingsError(f"{name}: must be at least GRPC_MAX_MESSAGE_BYTES ({largest}), "
-                                f"got {values[name.lower()]}")
+            raise SettingsError(
+                f"{name}: must be at least GRPC_MAX_MESSAGE_BYTES ({largest}), got {values[name.lower()]}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,100 +157,219 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("RUNTIME_PORT", _int, 8085,
-             "gRPC port for every service (use `port:8085` for grpcEndpoint and grpcDataEndpoint)",
-             _port),
-    Variable("RUNTIME_SOCKET_PATH", _path, None,
-             "also listen on this unix socket (for `unix:` endpoints)"),
-    Variable("RUNTIME_DIR", _path,
-             lambda s: os.path.join(tempfile.gettempdir(), f"mesh-runtime-{os.getuid()}-{s['runtime_port']}"),
-             "private folder (mode 0700) for the worker sockets and the process registry",
-             default_text="$TMPDIR/mesh-runtime-UID-PORT"),
-    Variable("ROOT_MODEL_DIR", _path, "/models",
-             "every modelPath must lie inside it (after normalising `..`)"),
-    Variable("PVC_MOUNTS_DIR", _path, "/pvc_mounts",
-             "symlinks under ROOT_MODEL_DIR may lead here (ModelMesh Serving's PVC storage) or into ROOT_MODEL_DIR, nowhere else"),
-    Variable("CONTAINER_MEM_REQ_BYTES", _int, None,
-             "memory the runtime may use; unset: the cgroup limit, else the machine's RAM",
-             _positive, default_text="cgroup limit, else RAM"),
-    Variable("MEM_BUFFER_BYTES", _int, 134217728,
-             "headroom kept out of capacityInBytes", _at_least(0)),
-    Variable("MODELSIZE_MULTIPLIER", _float, 1.25,
-             "predictModelSize = bytes on disk x this (never below the format's floor)", _positive),
-    Variable("DEFAULT_MODELSIZE", _int, 1000000,
-             "defaultModelSizeInBytes reported to model-mesh", _at_least(1)),
-    Variable("LOADTIME_TIMEOUT", _int, 90000,
-             "modelLoadingTimeoutMs; the runtime kills a load that takes longer", _at_least(100)),
-    Variable("MAX_LOADING_CONCURRENCY", _int, 2,
-             "maxLoadingConcurrency; further loads wait their turn", _at_least(1)),
-    Variable("WORKERS_WARM", _int, 2,
-             "idle pre-forked workers kept ready for the next load", _at_least(0)),
-    Variable("WORKERS_MAX", _int, 0,
-             "hard cap on worker processes, spares included (0: no cap)", _at_least(0)),
-    Variable("MODEL_REPLICAS", _int, 1,
-             "worker processes per loaded model; a request goes to the least busy one", _at_least(1)),
-    Variable("WORKER_THREADS", _int, 1,
-             "requests one worker runs at the same time", _at_least(1)),
-    Variable("WORKER_BATCH_MAX", _int, 16,
-             "with WORKER_THREADS=1, a worker of a row-wise model (sklearn, xgboost, lightgbm) predicts up to "
-             "this many calls that queued up together at once, each call getting its own rows back "
-             "(1: one predict per call)", _at_least(1)),
-    Variable("MODEL_QUEUE_MAX", _int, 128,
-             "requests a model may hold waiting for a free worker; more get RESOURCE_EXHAUSTED", _at_least(0)),
-    Variable("LIMIT_MODEL_CONCURRENCY", _bool, False,
-             "report limitModelConcurrency, with maxConcurrency = MODEL_REPLICAS x WORKER_THREADS per model"),
-    Variable("ALLOW_ANY_METHOD", _bool, False,
-             "report allowAnyMethod and forward any other unary method to the model's handle()"),
-    Variable("MODEL_CRASH_LIMIT", _int, 3,
-             "a model whose workers die this often within MODEL_CRASH_WINDOW_MS is dropped (NOT_FOUND)",
-             _at_least(1)),
-    Variable("MODEL_CRASH_WINDOW_MS", _int, 60000,
-             "the window MODEL_CRASH_LIMIT counts crashes in", _at_least(1)),
-    Variable("WORKER_REQUEST_TIMEOUT_MS", _int, 0,
-             "a worker running one request longer than this is killed and healed (0: off)", _at_least(0)),
-    Variable("WORKER_HEARTBEAT_TIMEOUT_MS", _int, 10000,
-             "an idle worker that answers no heartbeat for this long is killed and healed", _at_least(100)),
-    Variable("WORKER_MEMORY_LIMIT_BYTES", _int, 0,
-             "a worker whose USS grows past this is killed, its requests get RESOURCE_EXHAUSTED, "
-             "the model heals (0: off)", _at_least(0)),
-    Variable("SHUTDOWN_GRACE_MS", _int, 10000,
-             "on SIGTERM or SIGINT, how long calls under way may take to finish", _at_least(0)),
-    Variable("WORKER_SCHED_BATCH", _bool, True,
-             "workers run under the kernel's SCHED_BATCH policy: a worker woken by a message does not "
-             "preempt the front's event loop, and keeps its full share of the CPU"),
-    Variable("GRPC_THREADS_SCHED_BATCH", _bool, True,
-             "the front's grpc threads (poller, event engine, timer) run under SCHED_BATCH: woken on "
-             "each call, they do not preempt the front's event loop; the loop itself is unchanged"),
-    Variable("EVENT_LOOP", _choice("uvloop", "asyncio"), lambda s: "uvloop" if _uvloop_installed() else "asyncio",
-             "the front's event loop: uvloop runs each turn of the loop in C (scripts/bench: about 10 % "
-             "more calls per second at 16 clients); asyncio is the standard library's", _installed_loop,
-             default_text="uvloop (asyncio where uvloop is not installed)"),
-    Variable("BUSY_POLL_US", _int, 1000,
-             "after a request goes to a worker, the front's event loop polls up to this long while the "
-             "reply is due, instead of sleeping: waking a halted CPU costs more than a small call "
-             "(0: always sleep)", _at_least(0)),
-    Variable("WORKER_PRELOAD", _modules, lambda s: default_preload(),
-             "modules the fork server imports once, before forking workers; keep the frameworks you "
-             "serve in it (a worker importing one itself pays 25-140 MiB and 1-2 s per load)",
-             default_text="numpy and the installed frameworks"),
-    Variable("GRPC_MAX_MESSAGE_BYTES", _int, 17825792,
-             "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects. grpc "
-             "copies each request on the front's event loop, so a higher limit lets one huge request "
-             "hold every other call for as long as that copy takes", _at_least(4194304)),
-    Variable("MODEL_BYTES_MAX", _int, lambda s: 4 * s["grpc_max_message_bytes"],
-             "bytes of requests one model's calls may hold in the front, waiting or in flight; a call "
-             "that would pass it gets RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
-             _at_least(1), default_text="4 x GRPC_MAX_MESSAGE_BYTES"),
-    Variable("FRONT_BYTES_MAX", _int, lambda s: _front_bytes_default(s),
-             "bytes of requests all calls together may hold in the front; a call that would pass it gets "
-             "RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
-             _at_least(1), default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES"),
-    Variable("METRICS_PORT", _int, 2113,
-             "Prometheus /metrics port (0: off)", lambda v: None if v == 0 else _port(v)),
-    Variable("LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info",
-             "log level"),
-    Variable("LOG_FORMAT", _choice("text", "json"), "text",
-             "`json` prints one JSON object per line"),
+    Variable(
+        "RUNTIME_PORT",
+        _int,
+        8085,
+        "gRPC port for every service (use `port:8085` for grpcEndpoint and grpcDataEndpoint)",
+        _port,
+    ),
+    Variable("RUNTIME_SOCKET_PATH", _path, None, "also listen on this unix socket (for `unix:` endpoints)"),
+    Variable(
+        "RUNTIME_DIR",
+        _path,
+        lambda s: os.path.join(tempfile.gettempdir(), f"mesh-runtime-{os.getuid()}-{s['runtime_port']}"),
+        "private folder (mode 0700) for the worker sockets and the process registry",
+        default_text="$TMPDIR/mesh-runtime-UID-PORT",
+    ),
+    Variable(
+        "ROOT_MODEL_DIR", _path, "/models", "every modelPath must lie inside it (after normalising `..`)"
+    ),
+    Variable(
+        "PVC_MOUNTS_DIR",
+        _path,
+        "/pvc_mounts",
+        "symlinks under ROOT_MODEL_DIR may lead here (ModelMesh Serving's PVC storage) or into "
+        "ROOT_MODEL_DIR, nowhere else",
+    ),
+    Variable(
+        "CONTAINER_MEM_REQ_BYTES",
+        _int,
+        None,
+        "memory the runtime may use; unset: the cgroup limit, else the machine's RAM",
+        _positive,
+        default_text="cgroup limit, else RAM",
+    ),
+    Variable("MEM_BUFFER_BYTES", _int, 134217728, "headroom kept out of capacityInBytes", _at_least(0)),
+    Variable(
+        "MODELSIZE_MULTIPLIER",
+        _float,
+        1.25,
+        "predictModelSize = bytes on disk x this (never below the format's floor)",
+        _positive,
+    ),
+    Variable(
+        "DEFAULT_MODELSIZE", _int, 1000000, "defaultModelSizeInBytes reported to model-mesh", _at_least(1)
+    ),
+    Variable(
+        "LOADTIME_TIMEOUT",
+        _int,
+        90000,
+        "modelLoadingTimeoutMs; the runtime kills a load that takes longer",
+        _at_least(100),
+    ),
+    Variable(
+        "MAX_LOADING_CONCURRENCY",
+        _int,
+        2,
+        "maxLoadingConcurrency; further loads wait their turn",
+        _at_least(1),
+    ),
+    Variable("WORKERS_WARM", _int, 2, "idle pre-forked workers kept ready for the next load", _at_least(0)),
+    Variable(
+        "WORKERS_MAX", _int, 0, "hard cap on worker processes, spares included (0: no cap)", _at_least(0)
+    ),
+    Variable(
+        "MODEL_REPLICAS",
+        _int,
+        1,
+        "worker processes per loaded model; a request goes to the least busy one",
+        _at_least(1),
+    ),
+    Variable("WORKER_THREADS", _int, 1, "requests one worker runs at the same time", _at_least(1)),
+    Variable(
+        "WORKER_BATCH_MAX",
+        _int,
+        16,
+        "with WORKER_THREADS=1, a worker of a row-wise model (sklearn, xgboost, lightgbm) predicts up to "
+        "this many calls that queued up together at once, each call getting its own rows back "
+        "(1: one predict per call)",
+        _at_least(1),
+    ),
+    Variable(
+        "MODEL_QUEUE_MAX",
+        _int,
+        128,
+        "requests a model may hold waiting for a free worker; more get RESOURCE_EXHAUSTED",
+        _at_least(0),
+    ),
+    Variable(
+        "LIMIT_MODEL_CONCURRENCY",
+        _bool,
+        False,
+        "report limitModelConcurrency, with maxConcurrency = MODEL_REPLICAS x WORKER_THREADS per model",
+    ),
+    Variable(
+        "ALLOW_ANY_METHOD",
+        _bool,
+        False,
+        "report allowAnyMethod and forward any other unary method to the model's handle()",
+    ),
+    Variable(
+        "MODEL_CRASH_LIMIT",
+        _int,
+        3,
+        "a model whose workers die this often within MODEL_CRASH_WINDOW_MS is dropped (NOT_FOUND)",
+        _at_least(1),
+    ),
+    Variable(
+        "MODEL_CRASH_WINDOW_MS", _int, 60000, "the window MODEL_CRASH_LIMIT counts crashes in", _at_least(1)
+    ),
+    Variable(
+        "WORKER_REQUEST_TIMEOUT_MS",
+        _int,
+        0,
+        "a worker running one request longer than this is killed and healed (0: off)",
+        _at_least(0),
+    ),
+    Variable(
+        "WORKER_HEARTBEAT_TIMEOUT_MS",
+        _int,
+        10000,
+        "an idle worker that answers no heartbeat for this long is killed and healed",
+        _at_least(100),
+    ),
+    Variable(
+        "WORKER_MEMORY_LIMIT_BYTES",
+        _int,
+        0,
+        "a worker whose USS grows past this is killed, its requests get RESOURCE_EXHAUSTED, "
+        "the model heals (0: off)",
+        _at_least(0),
+    ),
+    Variable(
+        "SHUTDOWN_GRACE_MS",
+        _int,
+        10000,
+        "on SIGTERM or SIGINT, how long calls under way may take to finish",
+        _at_least(0),
+    ),
+    Variable(
+        "WORKER_SCHED_BATCH",
+        _bool,
+        True,
+        "workers run under the kernel's SCHED_BATCH policy: a worker woken by a message does not "
+        "preempt the front's event loop, and keeps its full share of the CPU",
+    ),
+    Variable(
+        "GRPC_THREADS_SCHED_BATCH",
+        _bool,
+        True,
+        "the front's grpc threads (poller, event engine, timer) run under SCHED_BATCH: woken on "
+        "each call, they do not preempt the front's event loop; the loop itself is unchanged",
+    ),
+    Variable(
+        "EVENT_LOOP",
+        _choice("uvloop", "asyncio"),
+        lambda s: "uvloop" if _uvloop_installed() else "asyncio",
+        "the front's event loop: uvloop runs each turn of the loop in C (scripts/bench: about 10 % "
+        "more calls per second at 16 clients); asyncio is the standard library's",
+        _installed_loop,
+        default_text="uvloop (asyncio where uvloop is not installed)",
+    ),
+    Variable(
+        "BUSY_POLL_US",
+        _int,
+        1000,
+        "after a request goes to a worker, the front's event loop polls up to this long while the "
+        "reply is due, instead of sleeping: waking a halted CPU costs more than a small call "
+        "(0: always sleep)",
+        _at_least(0),
+    ),
+    Variable(
+        "WORKER_PRELOAD",
+        _modules,
+        lambda s: default_preload(),
+        "modules the fork server imports once, before forking workers; keep the frameworks you "
+        "serve in it (a worker importing one itself pays 25-140 MiB and 1-2 s per load)",
+        default_text="numpy and the installed frameworks",
+    ),
+    Variable(
+        "GRPC_MAX_MESSAGE_BYTES",
+        _int,
+        17825792,
+        "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects. grpc "
+        "copies each request on the front's event loop, so a higher limit lets one huge request "
+        "hold every other call for as long as that copy takes",
+        _at_least(4194304),
+    ),
+    Variable(
+        "MODEL_BYTES_MAX",
+        _int,
+        lambda s: 4 * s["grpc_max_message_bytes"],
+        "bytes of requests one model's calls may hold in the front, waiting or in flight; a call "
+        "that would pass it gets RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+        _at_least(1),
+        default_text="4 x GRPC_MAX_MESSAGE_BYTES",
+    ),
+    Variable(
+        "FRONT_BYTES_MAX",
+        _int,
+        lambda s: _front_bytes_default(s),
+        "bytes of requests all calls together may hold in the front; a call that would pass it gets "
+        "RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+        _at_least(1),
+        default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES",
+    ),
+    Variable(
+        "METRICS_PORT",
+        _int,
+        2113,
+        "Prometheus /metrics port (0: off)",
+        lambda v: None if v == 0 else _port(v),
+    ),
+    Variable("LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info", "log level"),
+    Variable("LOG_FORMAT", _choice("text", "json"), "text", "`json` prints one JSON object per line"),
 )
 
 

@@ -7,6 +7,7 @@ Messages are for humans: they name the model and say what went wrong. None
 of them reads "Model ... not found" unless the code is NOT_FOUND: model-mesh
 treats that text as a missing model (contract doc section 4.3).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,10 @@ def failed_precondition(message: str) -> RpcError:
 
 
 def load_timed_out(model_id: str, timeout_ms: int) -> RpcError:
-    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"load of {model_id!r} did not finish within LOADTIME_TIMEOUT={timeout_ms} ms; its worker was killed")
+    return RpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"load of {model_id!r} did not finish within LOADTIME_TIMEOUT={timeout_ms} ms; its worker was killed",
+    )
 
 
 def load_cancelled(model_id: str) -> RpcError:
@@ -62,36 +65,47 @@ def worker_died(model_id: str, during: str, exit_code: int | None) -> RpcError:
 
 
 def out_of_workers(limit: int) -> RpcError:
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"all {limit} worker processes allowed by WORKERS_MAX are in use")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {limit} worker processes allowed by WORKERS_MAX are in use"
+    )
 
 
 def queue_full(model_id: str, limit: int) -> RpcError:
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{limit} requests for {model_id!r} already wait for a free worker (MODEL_QUEUE_MAX)")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"{limit} requests for {model_id!r} already wait for a free worker (MODEL_QUEUE_MAX)",
+    )
 
 
 def over_byte_budget(model_id: str, size: int, held: int, setting: str, limit: int) -> RpcError:
     whose = f"calls for {model_id!r}" if setting == "MODEL_BYTES_MAX" else "calls"
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"a {size}-byte request for {model_id!r} does not fit: {whose} already hold {held} "
-                    f"bytes in the front, and {setting}={limit}")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"a {size}-byte request for {model_id!r} does not fit: {whose} already hold {held} "
+        f"bytes in the front, and {setting}={limit}",
+    )
 
 
 def response_too_large(model_id: str, size: int, limit: int) -> RpcError:
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the response of {model_id!r} is {size} bytes, over GRPC_MAX_MESSAGE_BYTES={limit}")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the response of {model_id!r} is {size} bytes, over GRPC_MAX_MESSAGE_BYTES={limit}",
+    )
 
 
 def over_memory_limit(model_id: str, reason: str) -> RpcError:
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the worker serving {model_id!r} was killed, {reason}; the model is reloading")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the worker serving {model_id!r} was killed, {reason}; the model is reloading",
+    )
 
 
 def request_too_long(model_id: str, limit_ms: int) -> RpcError:
-    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request for {model_id!r} ran past WORKER_REQUEST_TIMEOUT_MS={limit_ms}; "
-                    f"its worker was killed and the model is reloading")
+    return RpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"request for {model_id!r} ran past WORKER_REQUEST_TIMEOUT_MS={limit_ms}; "
+        f"its worker was killed and the model is reloading",
+    )
 
 
 def deadline_exceeded(model_id: str) -> RpcError:
@@ -99,13 +113,17 @@ def deadline_exceeded(model_id: str) -> RpcError:
 
 
 def read_line_full(waiting: int, limit: int) -> RpcError:
-    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{waiting} calls already wait for room in FRONT_BYTES_MAX={limit} to be read")
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"{waiting} calls already wait for room in FRONT_BYTES_MAX={limit} to be read",
+    )
 
 
 def deadline_passed_before_reading() -> RpcError:
-    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "the call's deadline passed while it waited for room in FRONT_BYTES_MAX to be read")
+    return RpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "the call's deadline passed while it waited for room in FRONT_BYTES_MAX to be read",
+    )
 
 
 def unavailable(message: str) -> RpcError:
@@ -163,6 +181,7 @@ async def abort(context, error: RpcError):
 
 def translated(handler):
     """Decorates an async servicer method: RpcError -> its status; a bug -> INTERNAL, logged."""
+
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
@@ -174,4 +193,5 @@ def translated(handler):
                 raise
             log.exception("%s failed unexpectedly", handler.__name__)
             await abort(context, internal(f"{handler.__name__} failed: {type(error).__name__}: {error}"))
+
     return wrapper

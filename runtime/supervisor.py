@@ -19,6 +19,7 @@ the model's line. A model that dies MODEL_CRASH_LIMIT times within
 MODEL_CRASH_WINDOW_MS is dropped, so it answers NOT_FOUND and model-mesh
 places it elsewhere.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -75,7 +76,8 @@ class Supervisor:
         await asyncio.to_thread(self.capacity)
         if self.settings.worker_memory_limit_bytes:
             self._watchdog = asyncio.create_task(
-                watch_memory(self, self.pool, self.settings.worker_memory_limit_bytes), name="memory-watchdog")
+                watch_memory(self, self.pool, self.settings.worker_memory_limit_bytes), name="memory-watchdog"
+            )
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -116,8 +118,13 @@ class Supervisor:
             await asyncio.shield(model.gone)  # an unload is finishing: then load afresh
         model = Model(spec, self.settings)
         self._models[spec.model_id] = model
-        log.info("loading %s (%s) from %s", spec.model_id, spec.format.name, spec.path,
-                 extra={"model_id": spec.model_id})
+        log.info(
+            "loading %s (%s) from %s",
+            spec.model_id,
+            spec.format.name,
+            spec.path,
+            extra={"model_id": spec.model_id},
+        )
         model.load_task = asyncio.create_task(self._load(model), name=f"load-{spec.model_id}")
         model.load_task.add_done_callback(functools.partial(self._after_load, model))
         try:
@@ -126,7 +133,9 @@ class Supervisor:
             if _caller_cancelled():
                 # The loadModel call itself was cancelled: mesh counts the load as
                 # failed and will send unloadModel, which waits for `gone`.
-                log.info("load of %s cancelled by the caller", spec.model_id, extra={"model_id": spec.model_id})
+                log.info(
+                    "load of %s cancelled by the caller", spec.model_id, extra={"model_id": spec.model_id}
+                )
                 self._discard(model)
                 raise
             raise status.load_cancelled(spec.model_id) from None
@@ -159,7 +168,7 @@ class Supervisor:
             self.pool.replenish()
         # A worker may die after its reply and before this point; its exit handler
         # ignored it (the model was loading), so the load must see it now.
-        for worker, size in zip(model.workers, sizes):
+        for worker, size in zip(model.workers, sizes, strict=True):
             if not worker.serving or not size:
                 exit_code = worker.exited.result() if worker.exited.done() else None
                 raise status.worker_died(spec.model_id, "load", exit_code)
@@ -167,8 +176,13 @@ class Supervisor:
         for worker in model.workers:
             model.replicas.add(worker)
         model.change_state(ModelState.READY)
-        log.info("loaded %s: %.1f MiB in %.0f ms", spec.model_id, model.size / 2**20,
-                 (time.monotonic() - model.load_started) * 1000, extra={"model_id": spec.model_id})
+        log.info(
+            "loaded %s: %.1f MiB in %.0f ms",
+            spec.model_id,
+            model.size / 2**20,
+            (time.monotonic() - model.load_started) * 1000,
+            extra={"model_id": spec.model_id},
+        )
         return model.size
 
     async def _take_worker(self, model: Model) -> Worker:
@@ -211,8 +225,11 @@ class Supervisor:
         """Unloads every model (mesh restarted and forgot them)."""
         models = list(self._models.values())
         if models:
-            log.warning("purging %d models before answering READY: %s",
-                        len(models), ", ".join(m.model_id for m in models))
+            log.warning(
+                "purging %d models before answering READY: %s",
+                len(models),
+                ", ".join(m.model_id for m in models),
+            )
         for model in models:
             model.unload_requested = True
             self._discard(model)
@@ -262,13 +279,20 @@ class Supervisor:
         cause = worker.kill_reason or status.describe_exit(exit_code)
         self.metrics.observe_restart(model.model_id, worker.death_label)
         if self._crash_limit_reached(model):
-            log.error("dropping %s: its workers died %d times within %d ms (last: %s); "
-                      "model-mesh will place it elsewhere", model.model_id, len(model.crashes),
-                      self.settings.model_crash_window_ms, cause, extra={"model_id": model.model_id})
+            log.error(
+                "dropping %s: its workers died %d times within %d ms (last: %s); "
+                "model-mesh will place it elsewhere",
+                model.model_id,
+                len(model.crashes),
+                self.settings.model_crash_window_ms,
+                cause,
+                extra={"model_id": model.model_id},
+            )
             self._discard(model)
             return
-        log.error("the worker of %s died (%s); healing", model.model_id, cause,
-                  extra={"model_id": model.model_id})
+        log.error(
+            "the worker of %s died (%s); healing", model.model_id, cause, extra={"model_id": model.model_id}
+        )
         if model.heal_task is None or model.heal_task.done():
             model.heal_task = asyncio.create_task(self._heal(model), name=f"heal-{model.model_id}")
 
@@ -282,12 +306,18 @@ class Supervisor:
     async def _heal(self, model: Model) -> None:
         """Reloads the model into fresh workers until it has all its replicas again."""
         while model.state is ModelState.READY and len(model.workers) < self.settings.model_replicas:
-            await asyncio.sleep(min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1)))
+            await asyncio.sleep(
+                min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1))
+            )
             try:
                 worker = await self._take_worker(model)
             except status.RpcError as error:  # WORKERS_MAX: no process to heal into
-                log.error("dropping %s: cannot heal it: %s", model.model_id, error.message,
-                          extra={"model_id": model.model_id})
+                log.error(
+                    "dropping %s: cannot heal it: %s",
+                    model.model_id,
+                    error.message,
+                    extra={"model_id": model.model_id},
+                )
                 self._discard(model)
                 return
             try:
@@ -299,11 +329,16 @@ class Supervisor:
                 self.pool.replenish()
             if reply["ok"] and worker.serving:
                 model.replicas.add(worker)
-                log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
+                log.info(
+                    "healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id}
+                )
             else:
                 # Counted as a crash by _on_worker_exit, which may drop the model.
-                self.pool.kill(worker, KillCause.RELOAD_FAILED,
-                               f"reload failed: {reply.get('message', 'its worker died')}")
+                self.pool.kill(
+                    worker,
+                    KillCause.RELOAD_FAILED,
+                    f"reload failed: {reply.get('message', 'its worker died')}",
+                )
                 await asyncio.shield(worker.exited)
 
     # -- the table, as others read it ------------------------------------------------

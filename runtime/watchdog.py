@@ -2,6 +2,7 @@
 
 Its calls get RESOURCE_EXHAUSTED (runtime/dispatch.py reads the kill cause).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,10 @@ async def watch_memory(supervisor, pool: WorkerPool, limit: int) -> None:
         except Exception:  # an unexpected error from /proc must not end the watch for good
             log.exception("the memory watchdog could not measure the workers; trying again")
             continue
-        for worker, size in zip(workers, sizes):
+        for worker, size in zip(workers, sizes, strict=True):
             if size > limit:
-                pool.kill(worker, KillCause.MEMORY,
-                          f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB")
+                pool.kill(
+                    worker,
+                    KillCause.MEMORY,
+                    f"{MEMORY_LIMIT_REASON}: {size / 2**20:.0f} MiB > {limit / 2**20:.0f} MiB",
+                )

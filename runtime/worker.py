@@ -12,6 +12,7 @@ loudly where it happens instead of sending a call to a dying worker. A
 worker that dies on its own goes straight to EXITED; one the front killed
 passes through CONDEMNED, which takes no more calls.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +23,12 @@ import time
 
 
 class WorkerState(enum.Enum):
-    STARTING = "starting"    # forked, has not said hello
-    SPARE = "spare"          # connected and idle, no model yet
-    LOADING = "loading"      # a load was sent; its main thread cannot answer pings
-    SERVING = "serving"      # holds its model and takes calls
+    STARTING = "starting"  # forked, has not said hello
+    SPARE = "spare"  # connected and idle, no model yet
+    LOADING = "loading"  # a load was sent; its main thread cannot answer pings
+    SERVING = "serving"  # holds its model and takes calls
     CONDEMNED = "condemned"  # the front killed it; not reaped yet
-    EXITED = "exited"        # reaped: its memory is back in the OS
+    EXITED = "exited"  # reaped: its memory is back in the OS
 
 
 _MOVES = {
@@ -43,14 +44,14 @@ _MOVES = {
 class KillCause(enum.Enum):
     """Why the front ended a worker. The value is the `cause` label of mesh_worker_restarts_total."""
 
-    HUNG = "hung"                        # answered no heartbeat while idle
-    MEMORY = "memory"                    # over WORKER_MEMORY_LIMIT_BYTES
+    HUNG = "hung"  # answered no heartbeat while idle
+    MEMORY = "memory"  # over WORKER_MEMORY_LIMIT_BYTES
     REQUEST_TIMEOUT = "request_timeout"  # a call ran past WORKER_REQUEST_TIMEOUT_MS
-    OPERATOR = "operator"                # the admin kill command
-    RELOAD_FAILED = "reload_failed"      # a heal's reload did not succeed
-    NO_HELLO = "no_hello"                # never connected after it was forked
-    UNLOAD = "unload"                    # its model is unloaded, or its load failed
-    SHUTDOWN = "shutdown"                # the front is stopping
+    OPERATOR = "operator"  # the admin kill command
+    RELOAD_FAILED = "reload_failed"  # a heal's reload did not succeed
+    NO_HELLO = "no_hello"  # never connected after it was forked
+    UNLOAD = "unload"  # its model is unloaded, or its load failed
+    SHUTDOWN = "shutdown"  # the front is stopping
 
     @property
     def expected(self) -> bool:
@@ -82,12 +83,14 @@ class Worker:
         self.errors = 0
         self.last_error = ""
         self.last_seen = self.started
-        self.ready = loop.create_future()   # resolves on the worker's hello
+        self.ready = loop.create_future()  # resolves on the worker's hello
         self.exited = loop.create_future()  # resolves to the exit code once reaped
 
     def change_state(self, new: WorkerState) -> None:
         if new not in _MOVES[self.state]:
-            raise IllegalTransition(f"{self!r}: {self.state.value} -> {new.value} is not a move a worker makes")
+            raise IllegalTransition(
+                f"{self!r}: {self.state.value} -> {new.value} is not a move a worker makes"
+            )
         self.state = new
 
     @property

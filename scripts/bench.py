@@ -32,9 +32,11 @@ per ModelInfer call under callgrind, which moves only when the code does.
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
-usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only] [--peer mlserver] [--rounds N]
+usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only]
+                     [--peer mlserver] [--rounds N]
        scripts/bench --instructions-only [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,6 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 import harness  # noqa: E402  (tests/harness.py)
+
 from protos import model_runtime_pb2 as mm  # noqa: E402
 
 MiB = harness.MiB
@@ -62,6 +65,7 @@ ECHO_KEY = '{"model_type":{"name":"python"}}'
 
 
 # -- small helpers ------------------------------------------------------------------
+
 
 def percentile(samples: list[float], p: float) -> float:
     """Nearest-rank percentile (with 50 samples p99 is the slowest one)."""
@@ -88,8 +92,11 @@ def wait_settled(rt: harness.Runtime, timeout: float = 30.0) -> None:
     """WARM idle spares and nothing else, still so 100 ms later (time for the spares' hello)."""
     deadline = time.monotonic() + timeout
     while True:
-        harness.wait_until(lambda: pool_settled(rt), timeout=max(0.1, deadline - time.monotonic()),
-                           what=f"{WARM} idle spares")
+        harness.wait_until(
+            lambda: pool_settled(rt),
+            timeout=max(0.1, deadline - time.monotonic()),
+            what=f"{WARM} idle spares",
+        )
         time.sleep(0.1)
         if pool_settled(rt):
             return
@@ -97,17 +104,23 @@ def wait_settled(rt: harness.Runtime, timeout: float = 30.0) -> None:
 
 # -- the four measurements ------------------------------------------------------------
 
+
 def bench_load(rt: harness.Runtime, loads: int) -> dict:
     folder = rt.model_dir("echo")
     load_ms, unload_ms = [], []
     for i in range(loads):
         wait_settled(rt)
         model_id = f"echo-{i}"
-        load_ms.append(timed(lambda: rt.load(model_id, folder)))
-        unload_ms.append(timed(lambda: rt.unload(model_id)))
-    return {"load_ms": load_ms, "unload_ms": unload_ms,
-            "load_p50_ms": percentile(load_ms, 50), "load_p99_ms": percentile(load_ms, 99),
-            "unload_p50_ms": percentile(unload_ms, 50), "unload_p99_ms": percentile(unload_ms, 99)}
+        load_ms.append(timed(lambda model_id=model_id: rt.load(model_id, folder)))
+        unload_ms.append(timed(lambda model_id=model_id: rt.unload(model_id)))
+    return {
+        "load_ms": load_ms,
+        "unload_ms": unload_ms,
+        "load_p50_ms": percentile(load_ms, 50),
+        "load_p99_ms": percentile(load_ms, 99),
+        "unload_p50_ms": percentile(unload_ms, 50),
+        "unload_p99_ms": percentile(unload_ms, 99),
+    }
 
 
 def bench_idle_uss(rt: harness.Runtime) -> dict:
@@ -126,23 +139,36 @@ def bench_memory_return(rt: harness.Runtime) -> dict:
     rt.unload("ballast")
     after = rt.settled_uss(warm=WARM)
     growth = loaded - before
-    return {"before_mib": before / MiB, "loaded_mib": loaded / MiB, "after_mib": after / MiB,
-            "reported_mib": reported / MiB, "growth_mib": growth / MiB,
-            "ratio": reported / growth if growth > 0 else float("nan"),
-            "returned_diff_mib": (after - before) / MiB}
+    return {
+        "before_mib": before / MiB,
+        "loaded_mib": loaded / MiB,
+        "after_mib": after / MiB,
+        "reported_mib": reported / MiB,
+        "growth_mib": growth / MiB,
+        "ratio": reported / growth if growth > 0 else float("nan"),
+        "returned_diff_mib": (after - before) / MiB,
+    }
 
 
 def bench_predict_size(rt: harness.Runtime) -> dict:
-    request = mm.PredictModelSizeRequest(modelId="echo-size", modelPath=rt.model_dir("echo"),
-                                         modelKey=ECHO_KEY)
+    request = mm.PredictModelSizeRequest(
+        modelId="echo-size", modelPath=rt.model_dir("echo"), modelKey=ECHO_KEY
+    )
     sizes = set()
-    samples = [timed(lambda: sizes.add(rt.mesh.predictModelSize(request, timeout=10).sizeInBytes))
-               for _ in range(SIZE_CALLS)]
-    return {"ms": samples, "p50_ms": percentile(samples, 50), "p99_ms": percentile(samples, 99),
-            "size_bytes": sorted(sizes)}
+    samples = [
+        timed(lambda: sizes.add(rt.mesh.predictModelSize(request, timeout=10).sizeInBytes))
+        for _ in range(SIZE_CALLS)
+    ]
+    return {
+        "ms": samples,
+        "p50_ms": percentile(samples, 50),
+        "p99_ms": percentile(samples, 99),
+        "size_bytes": sorted(sizes),
+    }
 
 
 # -- the table --------------------------------------------------------------------------
+
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
@@ -150,8 +176,12 @@ def verdict(ok: bool) -> str:
 
 def rows_load(r: dict, loads: int) -> list[tuple]:
     return [
-        (f"load from warm spare, p50 ({loads} loads)", f"{r['load_p50_ms']:.1f} ms", "p50 <= 10 ms",
-         verdict(r["load_p50_ms"] <= 10)),
+        (
+            f"load from warm spare, p50 ({loads} loads)",
+            f"{r['load_p50_ms']:.1f} ms",
+            "p50 <= 10 ms",
+            verdict(r["load_p50_ms"] <= 10),
+        ),
         ("load from warm spare, p99", f"{r['load_p99_ms']:.1f} ms", "", ""),
         ("unload, p50 / p99", f"{r['unload_p50_ms']:.1f} / {r['unload_p99_ms']:.1f} ms", "", ""),
     ]
@@ -159,8 +189,10 @@ def rows_load(r: dict, loads: int) -> list[tuple]:
 
 def rows_idle(r: dict) -> list[tuple]:
     each = ", ".join(f"{s:.2f}" for s in r["spare_uss_mib"])
-    return [("idle spare USS, median", f"{r['median_mib']:.2f} MiB", "<= 6 MiB", verdict(r["median_mib"] <= 6)),
-            ("idle spare USS, each", f"{each} MiB", "", "")]
+    return [
+        ("idle spare USS, median", f"{r['median_mib']:.2f} MiB", "<= 6 MiB", verdict(r["median_mib"] <= 6)),
+        ("idle spare USS, each", f"{each} MiB", "", ""),
+    ]
 
 
 def rows_memory(r: dict) -> list[tuple]:
@@ -171,17 +203,31 @@ def rows_memory(r: dict) -> list[tuple]:
         ("  reported sizeInBytes", f"{r['reported_mib']:.1f} MiB", "", ""),
         ("  ratio reported / growth", f"{r['ratio']:.3f}", "1 +- 10 %", verdict(abs(r["ratio"] - 1) <= 0.10)),
         ("tree USS after unload (settled)", f"{r['after_mib']:.1f} MiB", "", ""),
-        ("  after - before", f"{r['returned_diff_mib']:+.2f} MiB", "within 2 MiB",
-         verdict(abs(r["returned_diff_mib"]) <= 2)),
+        (
+            "  after - before",
+            f"{r['returned_diff_mib']:+.2f} MiB",
+            "within 2 MiB",
+            verdict(abs(r["returned_diff_mib"]) <= 2),
+        ),
     ]
 
 
 def rows_size(r: dict) -> list[tuple]:
-    return [(f"predictModelSize, p50 ({SIZE_CALLS} calls)", f"{r['p50_ms']:.2f} ms", "< 5 ms",
-             verdict(r["p50_ms"] < 5)),
-            ("predictModelSize, p99", f"{r['p99_ms']:.2f} ms", "< 5 ms", verdict(r["p99_ms"] < 5)),
-            ("  predicted size of the echo model", " / ".join(f"{b / MiB:.1f}" for b in r["size_bytes"]) + " MiB",
-             "", "")]
+    return [
+        (
+            f"predictModelSize, p50 ({SIZE_CALLS} calls)",
+            f"{r['p50_ms']:.2f} ms",
+            "< 5 ms",
+            verdict(r["p50_ms"] < 5),
+        ),
+        ("predictModelSize, p99", f"{r['p99_ms']:.2f} ms", "< 5 ms", verdict(r["p99_ms"] < 5)),
+        (
+            "  predicted size of the echo model",
+            " / ".join(f"{b / MiB:.1f}" for b in r["size_bytes"]) + " MiB",
+            "",
+            "",
+        ),
+    ]
 
 
 def print_table(sections: list[tuple[str, list[tuple]]]) -> None:
@@ -190,7 +236,7 @@ def print_table(sections: list[tuple[str, list[tuple]]]) -> None:
     line = "  ".join("-" * w for w in widths)
 
     def show(row):
-        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
     show(header)
     for title, rows in sections:
@@ -202,16 +248,25 @@ def print_table(sections: list[tuple[str, list[tuple]]]) -> None:
 
 # -- running it all ------------------------------------------------------------------------
 
+
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "machine": platform.machine()}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
 
 
 def run_sections(rt: harness.Runtime, loads: int) -> tuple[dict, list, bool]:
     """Runs each measurement; one that fails is shown as ERROR and the others still run."""
     plan = [
-        ("1. load latency from a warm spare", "load", lambda: bench_load(rt, loads),
-         lambda r: rows_load(r, loads)),
+        (
+            "1. load latency from a warm spare",
+            "load",
+            lambda: bench_load(rt, loads),
+            lambda r: rows_load(r, loads),
+        ),
         ("2. idle worker USS", "idle_uss", lambda: bench_idle_uss(rt), rows_idle),
         ("3. memory returned after unload", "memory_return", lambda: bench_memory_return(rt), rows_memory),
         ("4. predictModelSize latency", "predict_size", lambda: bench_predict_size(rt), rows_size),
@@ -236,12 +291,22 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     parser.add_argument("--skip-dataplane", action="store_true", help="leave out the data-plane benchmark")
     parser.add_argument("--dataplane-only", action="store_true", help="run only the data-plane benchmark")
-    parser.add_argument("--instructions-only", action="store_true", help="run only the instruction count "
-                        "per call under callgrind (scripts/bench_instructions.py)")
-    parser.add_argument("--rounds", type=int, default=1, help="data plane: repeat its interleaved sequence "
-                        "and report each point's median round (default 1)")
-    parser.add_argument("--peer", choices=["mlserver"], help="data plane: also measure MLServer 1.7.1 "
-                        "(installed into .bench/mlserver-venv on first use)")
+    parser.add_argument(
+        "--instructions-only",
+        action="store_true",
+        help="run only the instruction count per call under callgrind (scripts/bench_instructions.py)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="data plane: repeat its interleaved sequence and report each point's median round (default 1)",
+    )
+    parser.add_argument(
+        "--peer",
+        choices=["mlserver"],
+        help="data plane: also measure MLServer 1.7.1 (installed into .bench/mlserver-venv on first use)",
+    )
     args = parser.parse_args()
     if args.loads < 1:
         parser.error("--loads must be at least 1")
@@ -253,6 +318,7 @@ def main() -> int:
     # The fork server's preload sets how big every worker's address space is, and
     # reading a worker's USS (smaps_rollup) walks all of it: say which one ran.
     from runtime.settings import Settings
+
     print(f"WORKER_PRELOAD: {','.join(Settings.from_env().worker_preload)}")
     if args.dataplane_only:
         figures = {}

@@ -50,6 +50,7 @@ exit code 0; the exit code is 1 only when a point could not be measured.
 usage: scripts/bench_dataplane.py [--peer mlserver] [--duration S] [--warmup S] [--rounds N] [--json PATH]
        (scripts/bench runs it after its own table; scripts/bench --dataplane-only runs only this)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,16 +73,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 import grpc  # noqa: E402
+import harness  # noqa: E402  (tests/harness.py)
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-import harness  # noqa: E402  (tests/harness.py)
 from protos import grpc_predict_v2_pb2 as pb  # noqa: E402
 from protos import grpc_predict_v2_pb2_grpc as pb_grpc  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MiB = 1024 * 1024
-BIG_ELEMENTS = MiB // 4          # FP32 [1, 262144]: 1 MiB of raw_input_contents
+BIG_ELEMENTS = MiB // 4  # FP32 [1, 262144]: 1 MiB of raw_input_contents
 IRIS_ROW = [5.1, 3.5, 1.4, 0.2]  # a setosa: LogisticRegression says class 0
 CONCURRENCY = (1, 16)
 CHECK_CALLS = 20
@@ -110,14 +111,19 @@ def percentile(samples: list[float], p: float) -> float:
 
 # -- tools ------------------------------------------------------------------------------
 
+
 def ensure_h2load() -> str:
     """h2load's path; installs nghttp2-client with apt-get when it is missing."""
     if shutil.which("h2load") is None or shutil.which("nghttp") is None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise RuntimeError("h2load is missing: install the Debian package nghttp2-client")
         progress("installing h2load (apt-get install nghttp2-client)")
-        subprocess.run("apt-get update -q && apt-get install -y -q nghttp2-client", shell=True,
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            "apt-get update -q && apt-get install -y -q nghttp2-client",
+            shell=True,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     version = subprocess.run(["h2load", "--version"], capture_output=True, text=True).stdout.strip()
     return version.replace("h2load ", "")
 
@@ -128,32 +134,48 @@ def ensure_mlserver() -> str:
     executable = os.path.join(MLSERVER_VENV, "bin", "mlserver")
     if os.path.exists(stamp) and os.path.exists(executable):
         return executable
-    progress(f"installing mlserver=={MLSERVER_VERSION} mlserver-sklearn into .bench/mlserver-venv "
-             "(a few minutes, once)")
+    progress(
+        f"installing mlserver=={MLSERVER_VERSION} mlserver-sklearn into .bench/mlserver-venv "
+        "(a few minutes, once)"
+    )
     base = getattr(sys, "_base_executable", None) or shutil.which("python3")
     log_path = os.path.join(REPO, ".bench", "mlserver-install.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     with open(log_path, "w") as log:
-        steps = [[base, "-m", "venv", MLSERVER_VENV],
-                 [os.path.join(MLSERVER_VENV, "bin", "python"), "-m", "pip", "install", "-q",
-                  f"mlserver=={MLSERVER_VERSION}", f"mlserver-sklearn=={MLSERVER_VERSION}"]]
+        steps = [
+            [base, "-m", "venv", MLSERVER_VENV],
+            [
+                os.path.join(MLSERVER_VENV, "bin", "python"),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                f"mlserver=={MLSERVER_VERSION}",
+                f"mlserver-sklearn=={MLSERVER_VERSION}",
+            ],
+        ]
         for step in steps:
             if subprocess.run(step, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
                 with open(log_path) as f:
                     tail = f.read()[-2000:]
-                raise RuntimeError(f"installing MLServer failed ({' '.join(step[-3:])}); "
-                                   f"log {log_path}:\n{tail}")
+                raise RuntimeError(
+                    f"installing MLServer failed ({' '.join(step[-3:])}); log {log_path}:\n{tail}"
+                )
     open(stamp, "w").close()
     return executable
 
 
 def package_version(python: str, name: str) -> str:
-    found = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
-                           capture_output=True, text=True)
+    found = subprocess.run(
+        [python, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+        capture_output=True,
+        text=True,
+    )
     return found.stdout.strip() or "?"
 
 
 # -- requests and expected answers ----------------------------------------------------------
+
 
 def small_request(model_name: str) -> bytes:
     request = pb.ModelInferRequest(model_name=model_name)
@@ -204,6 +226,7 @@ def expect_echo(big: bool):
         got = output_values(response)
         if got.shape != wanted.shape or not np.array_equal(got.astype(np.float32), wanted):
             raise CheckFailed(f"echo returned {got[:4]}... ({got.size} values), not the input")
+
     return check
 
 
@@ -234,13 +257,24 @@ def mesh_header_lines(model_id: str) -> list[tuple[str, str]]:
 
 # -- one measured point -----------------------------------------------------------------------
 
+
 class Target:
     """A server to measure: where it listens, the body to send, the headers, what a good answer is."""
 
     count = 0
 
-    def __init__(self, case: str, payload: str, port: int, message: bytes, headers: list[tuple[str, str]],
-                 expect, processes, folder: str, note: str = ""):
+    def __init__(
+        self,
+        case: str,
+        payload: str,
+        port: int,
+        message: bytes,
+        headers: list[tuple[str, str]],
+        expect,
+        processes,
+        folder: str,
+        note: str = "",
+    ):
         self.case, self.payload, self.port = case, payload, port
         self.message, self.headers, self.expect = message, headers, expect
         self.processes = processes  # () -> list[psutil.Process]: the server's tree, for its CPU
@@ -275,21 +309,48 @@ def python_calls(target: Target, calls: int) -> set[int]:
 
 def nghttp_check(target: Target) -> None:
     """The exact body file h2load sends gets grpc-status 0 (seen by another HTTP/2 client)."""
-    command = ["nghttp", "-v", "-n", "-d", target.body_path, "-H", "content-type: application/grpc",
-               "-H", "te: trailers", *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []), target.url]
+    command = [
+        "nghttp",
+        "-v",
+        "-n",
+        "-d",
+        target.body_path,
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []),
+        target.url,
+    ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=60)
     status = re.findall(r"recv \(stream_id=\d+\) grpc-status: (\d+)", run.stdout)
     message = re.findall(r"recv \(stream_id=\d+\) grpc-message: (.*)", run.stdout)
     if status != ["0"]:
-        raise CheckFailed(f"nghttp with h2load's body got grpc-status {status or 'none'} "
-                          f"{message[:1]} (exit {run.returncode})")
+        raise CheckFailed(
+            f"nghttp with h2load's body got grpc-status {status or 'none'} "
+            f"{message[:1]} (exit {run.returncode})"
+        )
 
 
 def h2load_command(target: Target, concurrency: int, *limit: str) -> list[str]:
     """h2load sending target's body as gRPC calls on `concurrency` connections; limit: -D TIME or -n CALLS."""
-    return ["h2load", "-c", str(concurrency), "-m", "1", "-t", "1", *limit,
-            "-d", target.body_path, "-H", "content-type: application/grpc", "-H", "te: trailers",
-            *sum((["-H", f"{k}: {v}"] for k, v in target.headers), [])]
+    return [
+        "h2load",
+        "-c",
+        str(concurrency),
+        "-m",
+        "1",
+        "-t",
+        "1",
+        *limit,
+        "-d",
+        target.body_path,
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []),
+    ]
 
 
 def h2load(target: Target, concurrency: int, seconds: float, log_path: str | None) -> dict:
@@ -299,16 +360,27 @@ def h2load(target: Target, concurrency: int, seconds: float, log_path: str | Non
     run = subprocess.run([*command, target.url], capture_output=True, text=True, timeout=seconds + 60)
     out = run.stdout
     finished = re.search(r"finished in ([\d.]+)(?:s|ms|us), ([\d.]+) req/s", out)
-    requests = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
-                         r"(\d+) failed, (\d+) errored, (\d+) timeout", out)
+    requests = re.search(
+        r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
+        r"(\d+) failed, (\d+) errored, (\d+) timeout",
+        out,
+    )
     codes = re.search(r"status codes: (\d+) 2xx", out)
     data = re.search(r"\((\d+)\) data", out)
     if run.returncode != 0 or not (finished and requests and codes and data):
         raise CheckFailed(f"h2load failed (exit {run.returncode}): {(out + run.stderr)[-600:]}")
     done, succeeded, failed, errored, timeout = (int(requests.group(i)) for i in (3, 4, 5, 6, 7))
-    return {"req_s": float(finished.group(2)), "done": done, "succeeded": succeeded, "failed": failed,
-            "errored": errored, "timeout": timeout, "ok_2xx": int(codes.group(1)),
-            "data_bytes": int(data.group(1)), "command": " ".join(command + [target.url])}
+    return {
+        "req_s": float(finished.group(2)),
+        "done": done,
+        "succeeded": succeeded,
+        "failed": failed,
+        "errored": errored,
+        "timeout": timeout,
+        "ok_2xx": int(codes.group(1)),
+        "data_bytes": int(data.group(1)),
+        "command": " ".join(command + [target.url]),
+    }
 
 
 def busy_jiffies() -> int:
@@ -349,13 +421,17 @@ def measure(target: Target, concurrency: int, duration: float, warmup: float, fo
     # With -D, a response whose headers arrived as the time ran out counts as
     # 2xx but not done: up to one per connection.
     if bad or not run["done"] <= run["ok_2xx"] <= run["done"] + concurrency or run["done"] == 0:
-        raise CheckFailed(f"h2load: {run['done']} done, {run['ok_2xx']} 2xx, {run['failed']} failed, "
-                          f"{run['errored']} errored, {run['timeout']} timeout")
+        raise CheckFailed(
+            f"h2load: {run['done']} done, {run['ok_2xx']} 2xx, {run['failed']} failed, "
+            f"{run['errored']} errored, {run['timeout']} timeout"
+        )
     # Every response must have carried a whole message: a gRPC error has no DATA at all.
     low, high = (min(sizes) + 5) * run["done"], (max(sizes) + 5) * run["ok_2xx"]
     if not low <= run["data_bytes"] <= high:
-        raise CheckFailed(f"h2load received {run['data_bytes']} DATA bytes for {run['done']} responses of "
-                          f"{sorted(sizes)} bytes: some calls did not return a ModelInferResponse")
+        raise CheckFailed(
+            f"h2load received {run['data_bytes']} DATA bytes for {run['done']} responses of "
+            f"{sorted(sizes)} bytes: some calls did not return a ModelInferResponse"
+        )
     latencies = []
     with open(log_path) as f:
         for line in f:
@@ -368,20 +444,29 @@ def measure(target: Target, concurrency: int, duration: float, warmup: float, fo
     hz = os.sysconf("SC_CLK_TCK")
     elapsed = self_after.elapsed - self_before.elapsed
     server_cpu = sum(cpu_after.get(pid, 0) - cpu_before.get(pid, 0) for pid in cpu_before)
-    h2load_cpu = (self_after.children_user + self_after.children_system
-                  - self_before.children_user - self_before.children_system)
+    h2load_cpu = (
+        self_after.children_user
+        + self_after.children_system
+        - self_before.children_user
+        - self_before.children_system
+    )
     own_cpu = self_after.user + self_after.system - self_before.user - self_before.system
     machine_cpu = (busy_after - busy_before) / hz
     per_process = {}
     for process in servers:
         if process.pid in cpu_before:
             name = " ".join(_cmdline(process))[:60]
-            per_process[name] = round((cpu_after.get(process.pid, 0) - cpu_before[process.pid])
-                                      / run["done"] * 1e6, 1)
+            per_process[name] = round(
+                (cpu_after.get(process.pid, 0) - cpu_before[process.pid]) / run["done"] * 1e6, 1
+            )
     return {
-        "case": target.case, "payload": target.payload, "concurrency": concurrency,
-        "req_s": run["req_s"], "requests": run["done"],
-        "p50_ms": percentile(latencies, 50), "p99_ms": percentile(latencies, 99),
+        "case": target.case,
+        "payload": target.payload,
+        "concurrency": concurrency,
+        "req_s": run["req_s"],
+        "requests": run["done"],
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
         "mean_ms": sum(latencies) / len(latencies),
         "response_bytes": sorted(sizes),
         "server_cpu_us_per_req": server_cpu / run["done"] * 1e6,
@@ -402,6 +487,7 @@ def _cmdline(process: psutil.Process) -> list[str]:
 
 
 # -- the servers ------------------------------------------------------------------------------
+
 
 def wait_port(port: int, process: subprocess.Popen, log_path: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
@@ -445,14 +531,23 @@ class Canned:
             f.write(response)
         self.log_path = os.path.join(folder, f"canned-{name}.log")
 
-    def __enter__(self) -> "Canned":
+    def __enter__(self) -> Canned:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "scripts", "canned_server.py"), "--port", str(self.port),
-             "--response", self.response_path, *(["--hop"] if self.hop else []),
-             *(["--uvloop"] if self.uvloop else [])],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                os.path.join(REPO, "scripts", "canned_server.py"),
+                "--port",
+                str(self.port),
+                "--response",
+                self.response_path,
+                *(["--hop"] if self.hop else []),
+                *(["--uvloop"] if self.uvloop else []),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_port(self.port, self.process, self.log_path, 30)
         return self
 
@@ -494,11 +589,22 @@ class MLServer:
         shutil.copy(joblib_path, os.path.join(self.folder, "iris", "model.joblib"))
         with open(os.path.join(self.folder, "echo", "echo_model.py"), "w") as f:
             f.write(ECHO_MLSERVER)
-        self.settings = {"host": "127.0.0.1", "grpc_port": self.port, "http_port": harness.free_port(),
-                         "metrics_port": harness.free_port(), "parallel_workers": 0}
+        self.settings = {
+            "host": "127.0.0.1",
+            "grpc_port": self.port,
+            "http_port": harness.free_port(),
+            "metrics_port": harness.free_port(),
+            "parallel_workers": 0,
+        }
         self._write("settings.json", self.settings)
-        self._write("iris/model-settings.json", {"name": "iris", "implementation": "mlserver_sklearn.SKLearnModel",
-                                                 "parameters": {"uri": "./model.joblib"}})
+        self._write(
+            "iris/model-settings.json",
+            {
+                "name": "iris",
+                "implementation": "mlserver_sklearn.SKLearnModel",
+                "parameters": {"uri": "./model.joblib"},
+            },
+        )
         self._write("echo/model-settings.json", {"name": "echo", "implementation": "echo_model.EchoModel"})
         self.log_path = os.path.join(folder, "mlserver.log")
 
@@ -506,10 +612,15 @@ class MLServer:
         with open(os.path.join(self.folder, name), "w") as f:
             json.dump(content, f, indent=2)
 
-    def __enter__(self) -> "MLServer":
+    def __enter__(self) -> MLServer:
         self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen([self.executable, "start", self.folder], cwd=self.folder,
-                                        stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            [self.executable, "start", self.folder],
+            cwd=self.folder,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_port(self.port, self.process, self.log_path, 180)
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -536,6 +647,7 @@ class MLServer:
 
 
 # -- models ---------------------------------------------------------------------------------
+
 
 def train_iris(path: str) -> None:
     import joblib
@@ -584,12 +696,22 @@ CASE_A2 = "(a2) canned via a ZeroMQ hop"
 CASE_A_UVLOOP = "(a') grpc.aio canned, uvloop"
 CASE_D_SKLEARN, CASE_D_ECHO = "(d) MLServer sklearn", "(d) MLServer echo"
 # Every (case, payload) in the order the table shows them.
-ROWS = ((CASE_A, SMALL), (CASE_A, BIG), (CASE_A_UVLOOP, SMALL), (CASE_A2, SMALL), (CASE_B, SMALL),
-        (CASE_B, BIG), (CASE_C, SMALL), (CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG))
+ROWS = (
+    (CASE_A, SMALL),
+    (CASE_A, BIG),
+    (CASE_A_UVLOOP, SMALL),
+    (CASE_A2, SMALL),
+    (CASE_B, SMALL),
+    (CASE_B, BIG),
+    (CASE_C, SMALL),
+    (CASE_D_SKLEARN, SMALL),
+    (CASE_D_ECHO, BIG),
+)
 
 
-def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
-        rounds: int = 1) -> tuple[dict, bool]:
+def run(
+    duration: float = 8.0, warmup: float = 1.0, peer: str | None = None, rounds: int = 1
+) -> tuple[dict, bool]:
     """Measures every point; returns (figures, ok). ok is False when a point could not be measured.
 
     Every server is started first and the points are interleaved (for each
@@ -599,8 +721,15 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
     """
     started = time.monotonic()
     folder = tempfile.mkdtemp(prefix="mr-dataplane-")
-    figures: dict = {"duration_s": duration, "warmup_s": warmup, "rounds": rounds, "points": [],
-                     "notes": [], "peer": peer, "runtime_env": dict(RUNTIME_ENV)}
+    figures: dict = {
+        "duration_s": duration,
+        "warmup_s": warmup,
+        "rounds": rounds,
+        "points": [],
+        "notes": [],
+        "peer": peer,
+        "runtime_env": dict(RUNTIME_ENV),
+    }
     failed: dict[tuple[str, str], str] = {}  # (case, payload) -> why it has no figures
     targets_: list[Target] = []
 
@@ -617,24 +746,57 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
         # (a) the ceiling of a Python front: one canned server per payload
         for payload, big in ((SMALL, False), (BIG, True)):
             try:
-                canned = stack.enter_context(Canned(folder, "big" if big else "small", echo_response("echo", big)))
-                targets_.append(Target(CASE_A, payload, canned.port,
-                                       big_request("echo") if big else small_request("echo"),
-                                       mesh_header_lines("echo"), expect_anything, canned.processes, folder))
+                canned = stack.enter_context(
+                    Canned(folder, "big" if big else "small", echo_response("echo", big))
+                )
+                targets_.append(
+                    Target(
+                        CASE_A,
+                        payload,
+                        canned.port,
+                        big_request("echo") if big else small_request("echo"),
+                        mesh_header_lines("echo"),
+                        expect_anything,
+                        canned.processes,
+                        folder,
+                    )
+                )
             except Exception as error:
                 cannot(((CASE_A, payload),), error)
         # (a') the same on uvloop, the event loop mesh-runtime's front runs on (a reference)
         try:
             canned = stack.enter_context(Canned(folder, "uvloop", echo_response("echo", False), uvloop=True))
-            targets_.append(Target(CASE_A_UVLOOP, SMALL, canned.port, small_request("echo"),
-                                   mesh_header_lines("echo"), expect_anything, canned.processes, folder))
+            targets_.append(
+                Target(
+                    CASE_A_UVLOOP,
+                    SMALL,
+                    canned.port,
+                    small_request("echo"),
+                    mesh_header_lines("echo"),
+                    expect_anything,
+                    canned.processes,
+                    folder,
+                )
+            )
         except Exception as error:
             cannot(((CASE_A_UVLOOP, SMALL),), error)
         # (a2) behind one ZeroMQ hop, on uvloop as mesh-runtime's front
         try:
-            hop = stack.enter_context(Canned(folder, "hop", echo_response("echo", False), hop=True, uvloop=True))
-            targets_.append(Target(CASE_A2, SMALL, hop.port, small_request("echo"), mesh_header_lines("echo"),
-                                   expect_anything, hop.processes, folder))
+            hop = stack.enter_context(
+                Canned(folder, "hop", echo_response("echo", False), hop=True, uvloop=True)
+            )
+            targets_.append(
+                Target(
+                    CASE_A2,
+                    SMALL,
+                    hop.port,
+                    small_request("echo"),
+                    mesh_header_lines("echo"),
+                    expect_anything,
+                    hop.processes,
+                    folder,
+                )
+            )
         except Exception as error:
             cannot(((CASE_A2, SMALL),), error)
 
@@ -647,12 +809,32 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
             rt.load("echo", rt.model_dir("echo"))
             runtime_tree = lambda: harness.tree(rt.pid)  # noqa: E731
             for payload, big in ((SMALL, False), (BIG, True)):
-                targets_.append(Target(CASE_B, payload, rt.port,
-                                       big_request("echo") if big else small_request("echo"),
-                                       mesh_header_lines("echo"), expect_echo(big), runtime_tree, folder))
+                targets_.append(
+                    Target(
+                        CASE_B,
+                        payload,
+                        rt.port,
+                        big_request("echo") if big else small_request("echo"),
+                        mesh_header_lines("echo"),
+                        expect_echo(big),
+                        runtime_tree,
+                        folder,
+                    )
+                )
             figures["iris_served_as"] = load_iris_model(rt)
-            targets_.append(Target(CASE_C, SMALL, rt.port, small_request("iris"), mesh_header_lines("iris"),
-                                   expect_iris, runtime_tree, folder, note=figures["iris_served_as"]))
+            targets_.append(
+                Target(
+                    CASE_C,
+                    SMALL,
+                    rt.port,
+                    small_request("iris"),
+                    mesh_header_lines("iris"),
+                    expect_iris,
+                    runtime_tree,
+                    folder,
+                    note=figures["iris_served_as"],
+                )
+            )
         except Exception as error:
             cannot(((CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL)), error)
             if rt.process is not None:
@@ -668,15 +850,37 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
                 figures["notes"].append(
                     f"peer: MLServer {package_version(python, 'mlserver')}, mlserver-sklearn "
                     f"{package_version(python, 'mlserver-sklearn')}, scikit-learn "
-                    f"{package_version(python, 'scikit-learn')} (ours {package_version(sys.executable, 'scikit-learn')}); "
-                    "settings.json: parallel_workers 0, ports; the rest default; 1 MiB: an echo MLModel")
+                    f"{package_version(python, 'scikit-learn')} "
+                    f"(ours {package_version(sys.executable, 'scikit-learn')}); "
+                    "settings.json: parallel_workers 0, ports; the rest default; 1 MiB: an echo MLModel"
+                )
                 progress("starting MLServer")
                 stack.enter_context(server)
-                targets_.append(Target(CASE_D_SKLEARN, SMALL, server.port, small_request("iris"), [],
-                                       expect_iris, server.processes, folder))
-                targets_.append(Target(CASE_D_ECHO, BIG, server.port, big_request("echo"), [],
-                                       expect_echo(True), server.processes, folder,
-                                       note="custom MLModel returning its inputs"))
+                targets_.append(
+                    Target(
+                        CASE_D_SKLEARN,
+                        SMALL,
+                        server.port,
+                        small_request("iris"),
+                        [],
+                        expect_iris,
+                        server.processes,
+                        folder,
+                    )
+                )
+                targets_.append(
+                    Target(
+                        CASE_D_ECHO,
+                        BIG,
+                        server.port,
+                        big_request("echo"),
+                        [],
+                        expect_echo(True),
+                        server.processes,
+                        folder,
+                        note="custom MLModel returning its inputs",
+                    )
+                )
             except Exception as error:
                 cannot(((CASE_D_SKLEARN, SMALL), (CASE_D_ECHO, BIG)), error)
 
@@ -688,7 +892,10 @@ def run(duration: float = 8.0, warmup: float = 1.0, peer: str | None = None,
                     for target in targets_:
                         if target.payload != payload:
                             continue
-                        progress(f"{target.case} {payload} c={c}" + (f" (round {round_ + 1})" if rounds > 1 else ""))
+                        progress(
+                            f"{target.case} {payload} c={c}"
+                            + (f" (round {round_ + 1})" if rounds > 1 else "")
+                        )
                         try:
                             result = measure(target, c, duration, warmup, folder)
                         except Exception as error:
@@ -733,6 +940,7 @@ def _stop_runtime(rt: harness.Runtime) -> None:
 
 # -- targets and the table ---------------------------------------------------------------------
 
+
 def _find(points: list[dict], case_prefix: str, payload: str, c: int) -> dict | None:
     for p in points:
         if p["case"].startswith(case_prefix) and p["payload"] == payload and p["concurrency"] == c:
@@ -742,6 +950,7 @@ def _find(points: list[dict], case_prefix: str, payload: str, c: int) -> dict | 
 
 def targets(points: list[dict], peer: str | None) -> list[dict]:
     """The issue's targets: each with its value, or why it has none."""
+
     def ratio(name, num, den, c, payload, goal, peer_needed=False):
         """goal None: a ratio shown for reading the others, with no target of its own."""
         a, b = _find(points, num, payload, c), _find(points, den, payload, c)
@@ -755,17 +964,26 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
             show = (lambda v: f"{v:.2f}x") if goal and goal >= 1 else (lambda v: f"{v:.0%}")
             # With --rounds, the same ratio within each round too (rounds are interleaved,
             # so a burst of noise hits both sides of a round alike).
-            per_round = [x / y for x, y in zip(a.get("rounds_req_s", []), b.get("rounds_req_s", []))]
-            shown = show(value) + (f" (rounds: {' '.join(map(show, per_round))})" if len(per_round) > 1 else "")
+            rounds = zip(a.get("rounds_req_s", []), b.get("rounds_req_s", []), strict=False)
+            per_round = [x / y for x, y in rounds]
+            shown = show(value) + (
+                f" (rounds: {' '.join(map(show, per_round))})" if len(per_round) > 1 else ""
+            )
             verdict = "" if goal is None else "PASS" if value >= goal else "MISS"
             row.update(value=value, rounds=per_round, shown=shown, verdict=verdict)
         else:
-            row.update(value=None, shown="n/a", verdict="" if peer_needed and not peer else "n/a",
-                       why="needs --peer mlserver" if peer_needed and not peer else "a point failed")
+            row.update(
+                value=None,
+                shown="n/a",
+                verdict="" if peer_needed and not peer else "n/a",
+                why="needs --peer mlserver" if peer_needed and not peer else "a point failed",
+            )
         return row
 
-    rows = [ratio("(b) / (a) req/s, FP32 [1,4], c=16", "(b)", "(a)", 16, SMALL, 0.60),
-            ratio("(c) / (d) req/s, FP32 [1,4], c=16", "(c)", "(d)", 16, SMALL, 3, True)]
+    rows = [
+        ratio("(b) / (a) req/s, FP32 [1,4], c=16", "(b)", "(a)", 16, SMALL, 0.60),
+        ratio("(c) / (d) req/s, FP32 [1,4], c=16", "(c)", "(d)", 16, SMALL, 3, True),
+    ]
     a, b = _find(points, "(a)", SMALL, 1), _find(points, "(b)", SMALL, 1)
     row = {"measure": "p50 (b) - p50 (a), FP32 [1,4], c=1", "target": "<= 0.40 ms"}
     if a and b:
@@ -788,40 +1006,68 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
 def print_report(figures: dict) -> None:
     print()
     rounds = f", median of {figures['rounds']} rounds" if figures["rounds"] > 1 else ""
-    print(f"data plane: ModelInfer under h2load {figures['h2load']} (-m 1, -t 1), "
-          f"{figures['duration_s']:g} s per point after a {figures['warmup_s']:g} s warm-up run, "
-          f"cases interleaved{rounds}")
-    print(f"runtime under test: defaults ({', '.join(f'{k}={v}' for k, v in figures['runtime_env'].items())}, "
-          f"MODEL_REPLICAS=1, WORKER_THREADS=1, LOG_LEVEL=info); "
-          f"iris served by the {figures.get('iris_served_as', '?')}")
+    print(
+        f"data plane: ModelInfer under h2load {figures['h2load']} (-m 1, -t 1), "
+        f"{figures['duration_s']:g} s per point after a {figures['warmup_s']:g} s warm-up run, "
+        f"cases interleaved{rounds}"
+    )
+    print(
+        f"runtime under test: defaults ({', '.join(f'{k}={v}' for k, v in figures['runtime_env'].items())}, "
+        f"MODEL_REPLICAS=1, WORKER_THREADS=1, LOG_LEVEL=info); "
+        f"iris served by the {figures.get('iris_served_as', '?')}"
+    )
     for note in figures["notes"]:
         print(note)
-    print(f"each point: h2load -c C -m 1 -t 1 -D {figures['duration_s']:g}s -d BODY -H 'content-type: application/grpc' -H 'te: trailers' "
-          "-H 'mm-model-id-bin: B64' -H 'mm-model-id: ID' http://127.0.0.1:PORT/inference.GRPCInferenceService/ModelInfer"
-          " --log-file LOG (MLServer: no mm- headers, the model name in the request)")
+    print(
+        f"each point: h2load -c C -m 1 -t 1 -D {figures['duration_s']:g}s -d BODY "
+        "-H 'content-type: application/grpc' -H 'te: trailers' "
+        "-H 'mm-model-id-bin: B64' -H 'mm-model-id: ID' http://127.0.0.1:PORT/inference.GRPCInferenceService/ModelInfer"
+        " --log-file LOG (MLServer: no mm- headers, the model name in the request)"
+    )
     print(f"load average before: {figures['load_average_before']:.2f}")
     header = ("case", "payload", "c", "req/s", "p50 ms", "p99 ms", "srv cpu/req", "other cpu")
     rows = []
     for p in figures["points"]:
         if "error" in p:
-            rows.append((p["case"], p["payload"], str(p["concurrency"]), "ERROR", p["error"][:70], "", "", ""))
+            rows.append(
+                (p["case"], p["payload"], str(p["concurrency"]), "ERROR", p["error"][:70], "", "", "")
+            )
         else:
-            rows.append((p["case"], p["payload"], str(p["concurrency"]), f"{p['req_s']:,.0f}",
-                         f"{p['p50_ms']:.3f}", f"{p['p99_ms']:.3f}", f"{p['server_cpu_us_per_req']:.0f} us",
-                         f"{p['other_cores']:.2f} cores"))
+            rows.append(
+                (
+                    p["case"],
+                    p["payload"],
+                    str(p["concurrency"]),
+                    f"{p['req_s']:,.0f}",
+                    f"{p['p50_ms']:.3f}",
+                    f"{p['p99_ms']:.3f}",
+                    f"{p['server_cpu_us_per_req']:.0f} us",
+                    f"{p['other_cores']:.2f} cores",
+                )
+            )
     _table(header, rows)
     print()
     print("targets (issue 3, item 7)")
-    _table(("measure", "value", "target", ""),
-           [(t["measure"], t["shown"], t["target"], t["verdict"] or (f"({t['why']})" if t.get("why") else ""))
-            for t in figures["targets"]])
-    print("\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
-          "workers); other cpu: what the rest of the machine used meanwhile")
-    print(f"check of every point: {CHECK_CALLS} grpc calls before and {POST_CHECK_CALLS} after it "
-          "(status OK, expected outputs), nghttp grpc-status 0 for h2load's body, DATA bytes = "
-          "requests x response size")
-    print(f"data-plane section: {figures['seconds']:.0f} s ({figures['seconds_setup']:.0f} s of it "
-          "starting servers and loading models)")
+    _table(
+        ("measure", "value", "target", ""),
+        [
+            (t["measure"], t["shown"], t["target"], t["verdict"] or (f"({t['why']})" if t.get("why") else ""))
+            for t in figures["targets"]
+        ],
+    )
+    print(
+        "\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
+        "workers); other cpu: what the rest of the machine used meanwhile"
+    )
+    print(
+        f"check of every point: {CHECK_CALLS} grpc calls before and {POST_CHECK_CALLS} after it "
+        "(status OK, expected outputs), nghttp grpc-status 0 for h2load's body, DATA bytes = "
+        "requests x response size"
+    )
+    print(
+        f"data-plane section: {figures['seconds']:.0f} s ({figures['seconds_setup']:.0f} s of it "
+        "starting servers and loading models)"
+    )
 
 
 def _table(header: tuple, rows: list[tuple]) -> None:
@@ -829,8 +1075,10 @@ def _table(header: tuple, rows: list[tuple]) -> None:
     numeric = {2, 3, 4, 5, 6, 7} if len(header) == 8 else set()
 
     def show(row):
-        cells = [str(c).rjust(w) if i in numeric and row is not header else str(c).ljust(w)
-                 for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            str(c).rjust(w) if i in numeric and row is not header else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
         print("  ".join(cells).rstrip())
 
     show(header)
@@ -840,12 +1088,21 @@ def _table(header: tuple, rows: list[tuple]) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--peer", choices=["mlserver"], help="also measure MLServer 1.7.1 (installs it "
-                        "into .bench/mlserver-venv on first use)")
+    parser.add_argument(
+        "--peer",
+        choices=["mlserver"],
+        help="also measure MLServer 1.7.1 (installs it into .bench/mlserver-venv on first use)",
+    )
     parser.add_argument("--duration", type=float, default=8.0, help="seconds measured per point (default 8)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up run per point (default 1)")
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the interleaved sequence; each point "
-                        "reports its median round (default 1)")
+    parser.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of warm-up run per point (default 1)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the interleaved sequence; each point reports its median round (default 1)",
+    )
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ valgrind is installed with apt-get when it is missing and we are root.
 usage: scripts/bench_instructions.py [--calls N] [--json PATH]
        (or scripts/bench --instructions-only)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "scripts")]
 
-import zmq  # noqa: E402
-
 import bench_dataplane as dataplane  # noqa: E402
 import harness  # noqa: E402
+import zmq  # noqa: E402
+
 from workers import protocol  # noqa: E402
 
 WARMUP_CALLS = 300
@@ -55,8 +56,12 @@ def ensure_valgrind() -> str:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             raise RuntimeError("valgrind is missing: install the Debian package valgrind")
         dataplane.progress("installing valgrind (apt-get install valgrind)")
-        subprocess.run("apt-get update -q && apt-get install -y -q valgrind", shell=True, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            "apt-get update -q && apt-get install -y -q valgrind",
+            shell=True,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
 
 
@@ -88,12 +93,22 @@ class Counted:
     def _control(self, flag: str) -> None:
         run = subprocess.run(["callgrind_control", flag, str(self.pid)], capture_output=True, text=True)
         if "OK" not in run.stdout:
-            raise RuntimeError(f"callgrind_control {flag} {self.pid}: {run.stdout.strip()} {run.stderr.strip()}")
+            raise RuntimeError(
+                f"callgrind_control {flag} {self.pid}: {run.stdout.strip()} {run.stderr.strip()}"
+            )
 
 
 def h2load_calls(port: int, calls: int, folder: str) -> None:
-    target = dataplane.Target("x", dataplane.SMALL, port, dataplane.small_request("echo"),
-                              dataplane.mesh_header_lines("echo"), dataplane.expect_anything, None, folder)
+    target = dataplane.Target(
+        "x",
+        dataplane.SMALL,
+        port,
+        dataplane.small_request("echo"),
+        dataplane.mesh_header_lines("echo"),
+        dataplane.expect_anything,
+        None,
+        folder,
+    )
     command = [*dataplane.h2load_command(target, 16, "-n", str(calls)), target.url]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600).stdout
     if f"{calls} succeeded" not in out:
@@ -114,9 +129,20 @@ def canned(folder: str, calls: int, hop: bool) -> float:
         f.write(dataplane.echo_response("echo", False))
     port = harness.free_port()
     process = subprocess.Popen(
-        [*callgrind(folder, name), sys.executable, os.path.join(REPO, "scripts", "canned_server.py"),
-         "--port", str(port), "--response", answer, *(["--hop", "--uvloop"] if hop else [])],
-        stdout=subprocess.DEVNULL, stderr=open(os.path.join(folder, f"{name}.log"), "w"), start_new_session=True)
+        [
+            *callgrind(folder, name),
+            sys.executable,
+            os.path.join(REPO, "scripts", "canned_server.py"),
+            "--port",
+            str(port),
+            "--response",
+            answer,
+            *(["--hop", "--uvloop"] if hop else []),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(folder, f"{name}.log"), "w"),
+        start_new_session=True,
+    )
     try:
         dataplane.wait_port(port, process, os.path.join(folder, f"{name}.log"), 120)
         return per_call(Counted(folder, name, process.pid), lambda n: h2load_calls(port, n, folder), calls)
@@ -125,8 +151,12 @@ def canned(folder: str, calls: int, hop: bool) -> float:
 
 
 def front(folder: str, calls: int) -> float:
-    rt = harness.Runtime(command_prefix=callgrind(folder, "front"), preload_frameworks=True, BUSY_POLL_US="0",
-                         **dataplane.RUNTIME_ENV)
+    rt = harness.Runtime(
+        command_prefix=callgrind(folder, "front"),
+        preload_frameworks=True,
+        BUSY_POLL_US="0",
+        **dataplane.RUNTIME_ENV,
+    )
     try:
         rt.start(wait_ready=False)
         rt.wait_ready(timeout=300)
@@ -143,14 +173,19 @@ def worker(folder: str, calls: int) -> float:
     router = context.socket(zmq.ROUTER)
     router.bind(address)
     config = {"heartbeat_timeout": 3600, "identity": b"w", "address": address, "batch_max": 16, "threads": 1}
-    code = f"import sys; sys.path[:0] = [{REPO!r}]; from workers.loop import Worker; Worker({config!r}).serve()"
-    process = subprocess.Popen([*callgrind(folder, "worker"), sys.executable, "-c", code],
-                               stderr=open(os.path.join(folder, "worker.log"), "w"))
+    code = (
+        f"import sys; sys.path[:0] = [{REPO!r}]; from workers.loop import Worker; Worker({config!r}).serve()"
+    )
+    process = subprocess.Popen(
+        [*callgrind(folder, "worker"), sys.executable, "-c", code],
+        stderr=open(os.path.join(folder, "worker.log"), "w"),
+    )
     try:
         router.recv_multipart()  # hello
         path = harness.write_model(os.path.join(folder, "echo"), harness.ECHO_MODEL)
-        router.send_multipart([b"w", protocol.header(protocol.OP_LOAD, 1, model_id="echo", format="python",
-                                                     path=path, key="")])
+        router.send_multipart(
+            [b"w", protocol.header(protocol.OP_LOAD, 1, model_id="echo", format="python", path=path, key="")]
+        )
         header, *_ = protocol.split(router.recv_multipart()[1:])
         if not header.get("ok"):
             raise RuntimeError(f"the worker did not load the echo model: {header}")
@@ -158,8 +193,13 @@ def worker(folder: str, calls: int) -> float:
         ids = iter(range(2, 1 << 62))
 
         def send() -> None:
-            router.send_multipart([b"w", protocol.header(protocol.OP_CALL, next(ids), method=protocol.METHOD_INFER,
-                                                         deadline=None), body])
+            router.send_multipart(
+                [
+                    b"w",
+                    protocol.header(protocol.OP_CALL, next(ids), method=protocol.METHOD_INFER, deadline=None),
+                    body,
+                ]
+            )
 
         def run_calls(n: int) -> None:
             for _ in range(min(n, WORKER_IN_FLIGHT)):
@@ -182,10 +222,12 @@ def worker(folder: str, calls: int) -> float:
 def run(calls: int) -> dict:
     figures = {"valgrind": ensure_valgrind(), "h2load": dataplane.ensure_h2load(), "calls": calls}
     folder = tempfile.mkdtemp(prefix="mr-instructions-")
-    cases = [("(a) grpc.aio canned", lambda: canned(folder, calls, hop=False)),
-             ("(a2) canned via a ZeroMQ hop: its front", lambda: canned(folder, calls, hop=True)),
-             ("(b) mesh-runtime echo: the front", lambda: front(folder, calls)),
-             ("(w) mesh-runtime echo: the worker alone", lambda: worker(folder, calls))]
+    cases = [
+        ("(a) grpc.aio canned", lambda: canned(folder, calls, hop=False)),
+        ("(a2) canned via a ZeroMQ hop: its front", lambda: canned(folder, calls, hop=True)),
+        ("(b) mesh-runtime echo: the front", lambda: front(folder, calls)),
+        ("(w) mesh-runtime echo: the worker alone", lambda: worker(folder, calls)),
+    ]
     figures["cases"] = {}
     for case, measure in cases:
         dataplane.progress(f"{case} under callgrind ({calls} calls)")
@@ -195,8 +237,10 @@ def run(calls: int) -> dict:
 
 
 def print_report(figures: dict) -> None:
-    print(f"\ninstructions per ModelInfer call ({figures['valgrind']} callgrind; {figures['calls']} calls "
-          f"after {WARMUP_CALLS}; h2load -c 16 -m 1, the worker alone {WORKER_IN_FLIGHT} in flight)")
+    print(
+        f"\ninstructions per ModelInfer call ({figures['valgrind']} callgrind; {figures['calls']} calls "
+        f"after {WARMUP_CALLS}; h2load -c 16 -m 1, the worker alone {WORKER_IN_FLIGHT} in flight)"
+    )
     width = max(map(len, figures["cases"]))
     for case, count in figures["cases"].items():
         print(f"  {case:{width}}  {count / 1000:8.1f} k")

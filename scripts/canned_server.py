@@ -26,6 +26,7 @@ usage: scripts/canned_server.py [--port N] [--hop] [--uvloop] [--response FILE |
 Prints "ready <port>" on stdout once it listens; stops on SIGTERM or SIGINT.
 The server options match the runtime's (64 MiB message limits).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,7 @@ import zmq
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from plumbing import lifeline, priority
+from plumbing import lifeline, priority  # noqa: E402
 from workers import protocol  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -85,7 +86,8 @@ class Hop(grpc.GenericRpcHandler):
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.bind(address)
         self._child = multiprocessing.get_context("fork").Process(
-            target=_hop_child, args=(address, answer, os.getpid()), daemon=True)
+            target=_hop_child, args=(address, answer, os.getpid()), daemon=True
+        )
         self._child.start()
         self._socket.recv_multipart()  # its hello: it is connected
         self._ids = itertools.count()
@@ -136,9 +138,13 @@ async def serve(port: int, answer: bytes, hop: bool = False) -> None:
         handler.start()
     # (a2) schedules grpc's threads as mesh-runtime does (GRPC_THREADS_SCHED_BATCH); (a) stays bare.
     with priority.threads_started_here_run_as_batch_work() if hop else contextlib.nullcontext():
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", MESSAGE_LIMIT),
-                                          ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-                                          ("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", MESSAGE_LIMIT),
+                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
         server.add_generic_rpc_handlers([handler])
         bound = server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
@@ -160,8 +166,9 @@ def main() -> int:
     parser.add_argument("--elements", type=int, default=4, help="FP32 [1, N] response when no --response")
     parser.add_argument("--raw", action="store_true", help="put the built response in raw_output_contents")
     parser.add_argument("--hop", action="store_true", help="answer through a child process over ZeroMQ")
-    parser.add_argument("--uvloop", action="store_true",
-                        help="run on uvloop's event loop, as mesh-runtime's front does")
+    parser.add_argument(
+        "--uvloop", action="store_true", help="run on uvloop's event loop, as mesh-runtime's front does"
+    )
     args = parser.parse_args()
     if args.response:
         with open(args.response, "rb") as f:
@@ -171,6 +178,7 @@ def main() -> int:
     loop_factory = None
     if args.uvloop:
         import uvloop
+
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(serve(args.port, answer, args.hop))

@@ -16,6 +16,7 @@ a step fails or a process outlives the runtime.
 
 usage: scripts/demo            (this file is its body, run with .venv/bin/python)
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,19 @@ sys.path[:0] = [REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")
 import harness  # noqa: E402  (tests/harness.py: the runtime as a child process)
 import make_examples  # noqa: E402  (scripts/make_examples.py)
 from harness import MiB, alive, mesh_headers  # noqa: E402
+
 from protos import grpc_predict_v2_pb2 as v2  # noqa: E402
 from protos import model_runtime_pb2 as mm  # noqa: E402
 
-WARM = 1           # one spare is enough for loads one at a time, and keeps the table short
-CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT64": "int64_contents",
-            "INT32": "int32_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
+WARM = 1  # one spare is enough for loads one at a time, and keeps the table short
+CONTENTS = {
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "INT64": "int64_contents",
+    "INT32": "int32_contents",
+    "BOOL": "bool_contents",
+    "BYTES": "bytes_contents",
+}
 
 
 def say(section: str, text: str = "") -> None:
@@ -52,6 +60,7 @@ def mib(size: float) -> str:
 
 
 # -- the runtime as a child process -------------------------------------------------------
+
 
 class DemoRuntime(harness.Runtime):
     """The tests' runtime (tests/harness.py: `python -m runtime` in private temp folders, with gRPC
@@ -101,10 +110,14 @@ def _uss(process: psutil.Process) -> int:
 
 # -- model-mesh's calls ---------------------------------------------------------------------
 
+
 def load(rt: DemoRuntime, example: make_examples.Example) -> tuple[int, float]:
     """loadModel as model-mesh sends it; -> (size reported, milliseconds)."""
-    request = mm.LoadModelRequest(modelId=example.name, modelPath=os.path.join(rt.models, example.name),
-                                  modelKey=json.dumps({"model_type": {"name": example.format}}))
+    request = mm.LoadModelRequest(
+        modelId=example.name,
+        modelPath=os.path.join(rt.models, example.name),
+        modelKey=json.dumps({"model_type": {"name": example.format}}),
+    )
     started = time.monotonic()
     size = rt.mesh.loadModel(request, timeout=60).sizeInBytes
     return size, (time.monotonic() - started) * 1000
@@ -118,8 +131,10 @@ def infer(rt: DemoRuntime, example: make_examples.Example) -> dict[str, np.ndarr
     for name in example.outputs:
         request.outputs.add(name=name)
     response = rt.infer.ModelInfer(request, metadata=mesh_headers(example.name), timeout=30)
-    return {out.name: np.array(getattr(out.contents, CONTENTS[out.datatype])).reshape(out.shape)
-            for out in response.outputs}
+    return {
+        out.name: np.array(getattr(out.contents, CONTENTS[out.datatype])).reshape(out.shape)
+        for out in response.outputs
+    }
 
 
 def shown(array) -> str:
@@ -132,6 +147,7 @@ def shown(array) -> str:
 
 # -- the demo ------------------------------------------------------------------------------------
 
+
 def write_examples(rt: DemoRuntime) -> list[make_examples.Example]:
     written = make_examples.make(rt.models, log=lambda line: say("examples", line))
     say("examples", f"wrote {', '.join(e.name for e in written)} into {rt.models}")
@@ -139,7 +155,7 @@ def write_examples(rt: DemoRuntime) -> list[make_examples.Example]:
 
 
 def load_all(rt: DemoRuntime, examples) -> dict[str, tuple[int, float]]:
-    say("load", "loadModel for each, modelKey {\"model_type\": {\"name\": FORMAT}}, as model-mesh sends it")
+    say("load", 'loadModel for each, modelKey {"model_type": {"name": FORMAT}}, as model-mesh sends it')
     loaded = {}
     for example in examples:
         loaded[example.name] = load(rt, example)
@@ -149,8 +165,11 @@ def load_all(rt: DemoRuntime, examples) -> dict[str, tuple[int, float]]:
 
 
 def infer_all(rt: DemoRuntime, examples) -> None:
-    say("infer", f"ModelInfer, input {make_examples.INPUT_NAME!r} FP32 {shown(make_examples.SAMPLE)}"
-                 " (a setosa, a virginica)")
+    say(
+        "infer",
+        f"ModelInfer, input {make_examples.INPUT_NAME!r} FP32 {shown(make_examples.SAMPLE)}"
+        " (a setosa, a virginica)",
+    )
     for example in examples:
         answers = "   ".join(f"{name} {shown(array)}" for name, array in infer(rt, example).items())
         say("", f"  {example.name:<14} {answers}")
@@ -185,8 +204,11 @@ def run(rt: DemoRuntime) -> None:
     examples = write_examples(rt)
     started = time.monotonic()
     status = rt.start().status
-    say("runtime", f"python -m runtime on port {rt.port}: READY after {time.monotonic() - started:.1f} s "
-                   f"(capacity {status.capacityInBytes / 2**30:.1f} GiB, {WARM} warm spare)")
+    say(
+        "runtime",
+        f"python -m runtime on port {rt.port}: READY after {time.monotonic() - started:.1f} s "
+        f"(capacity {status.capacityInBytes / 2**30:.1f} GiB, {WARM} warm spare)",
+    )
     before = rt.settled_uss(WARM)
     loaded = load_all(rt, examples)
     infer_all(rt, examples)
@@ -194,9 +216,12 @@ def run(rt: DemoRuntime) -> None:
     with_models = rt.settled_uss(WARM)
     unload_all(rt, loaded)
     after = rt.settled_uss(WARM)
-    print(f"memory returned: {mib(with_models - after)} (the runtime's processes: {mib(before)} before "
-          f"loading, {mib(with_models)} with the models, whose workers hold {mib(workers_uss)}, "
-          f"{mib(after)} after unloading)", flush=True)
+    print(
+        f"memory returned: {mib(with_models - after)} (the runtime's processes: {mib(before)} before "
+        f"loading, {mib(with_models)} with the models, whose workers hold {mib(workers_uss)}, "
+        f"{mib(after)} after unloading)",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -215,7 +240,10 @@ def main() -> int:
         if left:
             say("stopped", f"SIGTERM: {left} processes still alive 10 s after the runtime exited")
         elif rt.process is not None:
-            say("stopped", f"SIGTERM: the runtime and all its processes exited in {took:.1f} s; no process left")
+            say(
+                "stopped",
+                f"SIGTERM: the runtime and all its processes exited in {took:.1f} s; no process left",
+            )
         shutil.rmtree(rt.root, ignore_errors=True)
     return 0 if ok and not left else 1
 

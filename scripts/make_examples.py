@@ -17,6 +17,7 @@ write the same models. examples/README.md lists the expected answers.
 
 usage: scripts/make-examples FOLDER
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ import os
 import shutil
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,12 +39,12 @@ INPUT_NAME = "features"  # the onnx graph and the custom model read this name; t
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    name: str                       # folder name and model id
-    format: str                     # mesh-runtime format name
-    needs: tuple[str, ...]          # modules that must be importable to write and serve it
-    extra: str                      # pip extra that installs them
-    build: Callable[[str, "Iris"], None]
-    outputs: tuple[str, ...] = ()   # outputs to ask for (empty: the model's default)
+    name: str  # folder name and model id
+    format: str  # mesh-runtime format name
+    needs: tuple[str, ...]  # modules that must be importable to write and serve it
+    extra: str  # pip extra that installs them
+    build: Callable[[str, Iris], None]
+    outputs: tuple[str, ...] = ()  # outputs to ask for (empty: the model's default)
 
     def missing(self) -> list[str]:
         return [m for m in self.needs if importlib.util.find_spec(m) is None]
@@ -51,9 +52,9 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class Iris:
-    features: np.ndarray   # float64 [150, 4]
-    labels: np.ndarray     # int64 [150]
-    coef: np.ndarray       # the fitted logistic regression, float64 [3, 4]
+    features: np.ndarray  # float64 [150, 4]
+    labels: np.ndarray  # int64 [150]
+    coef: np.ndarray  # the fitted logistic regression, float64 [3, 4]
     intercept: np.ndarray  # float64 [3]
     estimator: object
 
@@ -69,6 +70,7 @@ def iris() -> Iris:
 
 # -- one writer per format -----------------------------------------------------------------
 
+
 def write_sklearn(folder: str, data: Iris) -> None:
     import joblib
 
@@ -78,8 +80,14 @@ def write_sklearn(folder: str, data: Iris) -> None:
 def write_xgboost(folder: str, data: Iris) -> None:
     import xgboost
 
-    params = {"objective": "multi:softprob", "num_class": 3, "max_depth": 2, "eta": 0.3,
-              "nthread": 1, "seed": 0}
+    params = {
+        "objective": "multi:softprob",
+        "num_class": 3,
+        "max_depth": 2,
+        "eta": 0.3,
+        "nthread": 1,
+        "seed": 0,
+    }
     booster = xgboost.train(params, xgboost.DMatrix(data.features, label=data.labels), num_boost_round=20)
     booster.save_model(os.path.join(folder, "model.json"))
 
@@ -87,8 +95,16 @@ def write_xgboost(folder: str, data: Iris) -> None:
 def write_lightgbm(folder: str, data: Iris) -> None:
     import lightgbm
 
-    params = {"objective": "multiclass", "num_class": 3, "num_leaves": 4, "min_data_in_leaf": 5,
-              "num_threads": 1, "deterministic": True, "seed": 0, "verbose": -1}
+    params = {
+        "objective": "multiclass",
+        "num_class": 3,
+        "num_leaves": 4,
+        "min_data_in_leaf": 5,
+        "num_threads": 1,
+        "deterministic": True,
+        "seed": 0,
+        "verbose": -1,
+    }
     booster = lightgbm.train(params, lightgbm.Dataset(data.features, label=data.labels), num_boost_round=20)
     booster.save_model(os.path.join(folder, "model.txt"))
 
@@ -100,18 +116,29 @@ def write_onnx(folder: str, data: Iris) -> None:
 
     weights = numpy_helper.from_array(data.coef.T.astype(np.float32), "W")
     bias = numpy_helper.from_array(data.intercept.astype(np.float32), "b")
-    nodes = [helper.make_node("MatMul", [INPUT_NAME, "W"], ["scores"]),
-             helper.make_node("Add", ["scores", "b"], ["logits"]),
-             helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
-             helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0)]
+    nodes = [
+        helper.make_node("MatMul", [INPUT_NAME, "W"], ["scores"]),
+        helper.make_node("Add", ["scores", "b"], ["logits"]),
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
+    ]
     graph = helper.make_graph(
-        nodes, "iris", [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
-         helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 3])],
-        initializer=[weights, bias])
+        nodes,
+        "iris",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["batch", 4])],
+        [
+            helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"]),
+            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", 3]),
+        ],
+        initializer=[weights, bias],
+    )
     # Opset 13 and IR 8: what onnxruntime releases of the last years all read.
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8,
-                              producer_name="mesh-runtime make-examples")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 13)],
+        ir_version=8,
+        producer_name="mesh-runtime make-examples",
+    )
     onnx.checker.check_model(model)
     onnx.save(model, os.path.join(folder, "model.onnx"))
 
@@ -145,8 +172,14 @@ def write_python(folder: str, data: Iris) -> None:
 
 
 EXAMPLES: tuple[Example, ...] = (
-    Example("iris-sklearn", "sklearn", ("sklearn",), "sklearn", write_sklearn,
-            outputs=("predict", "predict_proba")),
+    Example(
+        "iris-sklearn",
+        "sklearn",
+        ("sklearn",),
+        "sklearn",
+        write_sklearn,
+        outputs=("predict", "predict_proba"),
+    ),
     Example("iris-xgboost", "xgboost", ("sklearn", "xgboost"), "xgboost", write_xgboost),
     Example("iris-lightgbm", "lightgbm", ("sklearn", "lightgbm"), "lightgbm", write_lightgbm),
     Example("iris-onnx", "onnx", ("sklearn", "onnx", "onnxruntime"), "onnx", write_onnx),
@@ -162,8 +195,10 @@ def make(folder: str, log: Callable[[str], None] = print) -> list[Example]:
     for example in EXAMPLES:
         missing = example.missing()
         if missing:
-            log(f"skipped {example.name}: {', '.join(missing)} not installed "
-                f"(pip install 'mesh-runtime[{example.extra}]')")
+            log(
+                f"skipped {example.name}: {', '.join(missing)} not installed "
+                f"(pip install 'mesh-runtime[{example.extra}]')"
+            )
             continue
         target = os.path.join(folder, example.name)
         os.makedirs(target, exist_ok=True)

@@ -5,6 +5,7 @@ makes private ROOT_MODEL_DIR / PVC_MOUNTS_DIR / RUNTIME_DIR folders, starts
 `python -m runtime`, polls runtimeStatus until READY (as mesh does), and on
 stop checks that the whole process tree is gone.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import grpc
 import numpy as np
@@ -133,6 +134,7 @@ ECHO_MODEL = """
             return {name: value for name, value in inputs.items()}
 """
 
+
 # Allocates ALLOC_MIB (written so the pages are really used), then sleeps
 # SLEEP_S seconds if the file "slow" is in its folder.
 def allocating_model(alloc_mib: int, sleep_s: float = 0.0) -> str:
@@ -184,12 +186,22 @@ class Runtime:
 
     # -- life ---------------------------------------------------------------------
 
-    def start(self, wait_ready: bool = True) -> "Runtime":
+    def start(self, wait_ready: bool = True) -> Runtime:
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([*self.command_prefix, sys.executable, "-m", "runtime"], cwd=REPO,
-                                        env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[
-            ("grpc.max_send_message_length", 64 * MiB), ("grpc.max_receive_message_length", 64 * MiB)])
+        self.process = subprocess.Popen(
+            [*self.command_prefix, sys.executable, "-m", "runtime"],
+            cwd=REPO,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{self.port}",
+            options=[
+                ("grpc.max_send_message_length", 64 * MiB),
+                ("grpc.max_receive_message_length", 64 * MiB),
+            ],
+        )
         self.mesh = mm_grpc.ModelRuntimeStub(self.channel)
         self.infer = v2_grpc.GRPCInferenceServiceStub(self.channel)
         if wait_ready:
@@ -230,7 +242,7 @@ class Runtime:
             wait_until(lambda: not alive(processes), timeout=10, what="the runtime's processes to end")
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -280,11 +292,19 @@ class Runtime:
     def model_dir(self, name: str, source: str = ECHO_MODEL) -> str:
         return write_model(os.path.join(self.models, name), source)
 
-    def load(self, model_id: str, path: str, model_type: str = "", fmt: str | None = "python",
-             timeout: float | None = 60) -> mm.LoadModelResponse:
+    def load(
+        self,
+        model_id: str,
+        path: str,
+        model_type: str = "",
+        fmt: str | None = "python",
+        timeout: float | None = 60,
+    ) -> mm.LoadModelResponse:
         key = json.dumps({"model_type": {"name": fmt}, "disk_size_bytes": 0}) if fmt else ""
-        return self.mesh.loadModel(mm.LoadModelRequest(modelId=model_id, modelType=model_type,
-                                                       modelPath=path, modelKey=key), timeout=timeout)
+        return self.mesh.loadModel(
+            mm.LoadModelRequest(modelId=model_id, modelType=model_type, modelPath=path, modelKey=key),
+            timeout=timeout,
+        )
 
     def load_future(self, model_id: str, path: str, fmt: str = "python"):
         key = json.dumps({"model_type": {"name": fmt}})
@@ -293,11 +313,14 @@ class Runtime:
     def unload(self, model_id: str) -> None:
         self.mesh.unloadModel(mm.UnloadModelRequest(modelId=model_id), timeout=60)
 
-    def infer_fp32(self, model_id: str, values, name: str = "x", headers: bool = True,
-                   request_name: str | None = None) -> v2.ModelInferResponse:
+    def infer_fp32(
+        self, model_id: str, values, name: str = "x", headers: bool = True, request_name: str | None = None
+    ) -> v2.ModelInferResponse:
         array = np.asarray(values, dtype=np.float32)
         request = v2.ModelInferRequest(model_name=model_id if request_name is None else request_name)
-        request.inputs.add(name=name, datatype="FP32", shape=array.shape).contents.fp32_contents.extend(array.ravel())
+        request.inputs.add(name=name, datatype="FP32", shape=array.shape).contents.fp32_contents.extend(
+            array.ravel()
+        )
         metadata = mesh_headers(model_id) if headers else None
         return self.infer.ModelInfer(request, metadata=metadata, timeout=30)
 

@@ -4,6 +4,7 @@ Each case sends one kind of bad message with a raw socket to a live runtime,
 then checks that a normal REQ request (what scripts/inspect-workers sends)
 still answers and that the runtime logged the bad message.
 """
+
 import asyncio
 import json
 import os
@@ -13,8 +14,8 @@ import types
 
 import pytest
 import zmq
-
 from harness import REPO, wait_until
+
 from runtime import admin
 from runtime.admin import cli
 
@@ -51,8 +52,10 @@ def still_serves(runtime) -> None:
 
 def logged_since(runtime, start: int, fragment: str) -> str:
     """The first line of the runtime log past offset `start` that holds `fragment` (waits for it)."""
+
     def find():
         return next((line for line in runtime.log()[start:].splitlines() if fragment in line), None)
+
     line = wait_until(find, timeout=5, what=f"a log line with {fragment!r}")
     assert "WARNING" in line.upper(), line
     return line
@@ -72,21 +75,27 @@ HOSTILE = [
     pytest.param([b"", b"[1, 2]"], "JSON array", "JSON array", id="json-list"),
     pytest.param([b"", b'"workers"'], "JSON string", "JSON string", id="json-string"),
     pytest.param([b"", b'{"args": []}'], 'no "command"', 'no "command"', id="no-command"),
-    pytest.param([b"", b'{"command": ["workers"]}'], '"command" is a JSON array', "command",
-                 id="command-list"),
+    pytest.param(
+        [b"", b'{"command": ["workers"]}'], '"command" is a JSON array', "command", id="command-list"
+    ),
     pytest.param([b"", b'{"command": {}}'], '"command" is a JSON object', "command", id="command-object"),
-    pytest.param([b"", b'{"command": "kill", "args": "123"}'], '"args" is a JSON string', "args",
-                 id="args-string"),
-    pytest.param([b"", b'{"command": "kill", "args": {"pid": 1}}'], '"args" is a JSON object', "args",
-                 id="args-object"),
-    pytest.param([b"", b'{"command": "kill", "args": [[1]]}'], "other than strings", "args",
-                 id="args-nested"),
+    pytest.param(
+        [b"", b'{"command": "kill", "args": "123"}'], '"args" is a JSON string', "args", id="args-string"
+    ),
+    pytest.param(
+        [b"", b'{"command": "kill", "args": {"pid": 1}}'], '"args" is a JSON object', "args", id="args-object"
+    ),
+    pytest.param(
+        [b"", b'{"command": "kill", "args": [[1]]}'], "other than strings", "args", id="args-nested"
+    ),
     pytest.param([b"", b'{"command": "kill", "args": [true]}'], "other than strings", "args", id="args-bool"),
-    pytest.param([b"", b'{"command": "kill", "args": [' + b"9" * 5000 + b"]}"], "not JSON", "not JSON",
-                 id="huge-int"),
+    pytest.param(
+        [b"", b'{"command": "kill", "args": [' + b"9" * 5000 + b"]}"], "not JSON", "not JSON", id="huge-int"
+    ),
     pytest.param([b"", DEEP], "not JSON", "not JSON", id="deep-nesting"),
-    pytest.param([b"", b" " * (admin.MAX_REQUEST_BYTES + 1)], "the limit is", "the limit is",
-                 id="long-request"),
+    pytest.param(
+        [b"", b" " * (admin.MAX_REQUEST_BYTES + 1)], "the limit is", "the limit is", id="long-request"
+    ),
 ]
 
 
@@ -136,8 +145,9 @@ def test_peer_that_leaves_before_its_answer(context, runtime):
 ZMTP3_SIGNATURE = b"\xff" + bytes(8) + b"\x7f"
 RAW_PEERS = [
     pytest.param(b"GET / HTTP/1.0\r\n\r\n", True, id="http"),
-    pytest.param(ZMTP3_SIGNATURE + b"\x03\x00" + b"NOPE".ljust(20, b"\x00") + bytes(32), True,
-                 id="unknown-mechanism"),
+    pytest.param(
+        ZMTP3_SIGNATURE + b"\x03\x00" + b"NOPE".ljust(20, b"\x00") + bytes(32), True, id="unknown-mechanism"
+    ),
     pytest.param(b"", True, id="connect-and-vanish"),
     # Bytes libzmq takes for a ZMTP 1.0 frame of 2**48 bytes: it drops the peer without
     # reporting a failed handshake, so there is nothing to log, only to survive.
@@ -156,8 +166,9 @@ def test_peer_that_does_not_speak_zeromq(runtime, data, logged):
     still_serves(runtime)
 
 
-@pytest.mark.parametrize("target", ["²", "9" * 5000, "-1", ""],
-                         ids=["superscript", "long", "negative", "empty"])
+@pytest.mark.parametrize(
+    "target", ["²", "9" * 5000, "-1", ""], ids=["superscript", "long", "negative", "empty"]
+)
 def test_kill_with_odd_targets_is_refused_not_failed(runtime, target):
     with pytest.raises(cli.Refused, match="no worker with pid or model"):
         cli.ask(runtime.env["RUNTIME_DIR"], "kill", target)
@@ -165,9 +176,17 @@ def test_kill_with_odd_targets_is_refused_not_failed(runtime, target):
 
 
 def test_inspect_workers_json_answers_after_all_that(runtime):
-    done = subprocess.run([os.path.join(REPO, "scripts", "inspect-workers"), "--json",
-                           "--runtime-dir", runtime.env["RUNTIME_DIR"]],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            os.path.join(REPO, "scripts", "inspect-workers"),
+            "--json",
+            "--runtime-dir",
+            runtime.env["RUNTIME_DIR"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     parsed = json.loads(done.stdout)
     assert parsed["degraded_mode"] is False and parsed["workers"]
@@ -176,8 +195,10 @@ def test_inspect_workers_json_answers_after_all_that(runtime):
 
 # -- a command that fails, in process (no runtime can be made to have such a bug) --------------
 
+
 def _serve_with(tmp_path, commands: dict, requests: list[tuple[str, ...]]) -> list:
     """Starts an AdminServer whose commands are `commands`, asks it `requests` through cli.ask."""
+
     async def scenario():
         server = admin.AdminServer(supervisor=None, settings=types.SimpleNamespace(runtime_dir=str(tmp_path)))
         server.commands.update(commands)
@@ -192,6 +213,7 @@ def _serve_with(tmp_path, commands: dict, requests: list[tuple[str, ...]]) -> li
             return answers, all(not task.done() for task in server._tasks)
         finally:
             await server.close()
+
     return asyncio.run(scenario())
 
 
@@ -211,11 +233,18 @@ def test_a_command_that_raises_answers_an_error_and_serving_goes_on(tmp_path, ca
     async def fine(supervisor, args):
         return args
 
-    answers, serving = _serve_with(tmp_path, {"workers": command(broken), "models": command(circular),
-                                              "pool": command(fine)},
-                                   [("workers",), ("models",), ("pool", "a", "b")])
-    assert answers == ["refused: workers failed: RuntimeError: a bug",
-                       "refused: the answer is not JSON: Circular reference detected", ["a", "b"]]
+    answers, serving = _serve_with(
+        tmp_path,
+        {"workers": command(broken), "models": command(circular), "pool": command(fine)},
+        [("workers",), ("models",), ("pool", "a", "b")],
+    )
+    assert answers == [
+        "refused: workers failed: RuntimeError: a bug",
+        "refused: the answer is not JSON: Circular reference detected",
+        ["a", "b"],
+    ]
     assert serving
-    assert any(record.levelname == "ERROR" and "admin command workers failed" in record.getMessage()
-               for record in caplog.records)
+    assert any(
+        record.levelname == "ERROR" and "admin command workers failed" in record.getMessage()
+        for record in caplog.records
+    )

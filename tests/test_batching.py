@@ -4,6 +4,7 @@ In-process: a Worker whose socket nobody serves, handed the calls the way
 receive_queued hands them over. The end-to-end check with scikit-learn is
 at the bottom.
 """
+
 import concurrent.futures
 import os
 import time
@@ -21,6 +22,7 @@ from workers.loop import Worker
 
 class RowModel:
     """Doubles each row; remembers the rows of every predict; rows holding 666 make it raise."""
+
     handles_methods = False
 
     def __init__(self, per_row: bool = True):
@@ -42,8 +44,15 @@ class RowModel:
 
 @pytest.fixture
 def worker(tmp_path):
-    worker = Worker({"address": f"ipc://{tmp_path}/batch.sock", "identity": b"unit",
-                     "heartbeat_timeout": 1, "threads": 1, "batch_max": 8})
+    worker = Worker(
+        {
+            "address": f"ipc://{tmp_path}/batch.sock",
+            "identity": b"unit",
+            "heartbeat_timeout": 1,
+            "threads": 1,
+            "batch_max": 8,
+        }
+    )
     worker.model, worker.model_id, worker.format = RowModel(), "m", "sklearn"
     worker.batches_rows = True
     yield worker
@@ -67,9 +76,19 @@ def request(rows, raw=False, datatype="FP32", outputs=()):
 
 
 def calls(*bodies, deadline=None):
-    return [({"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": 100 + i,
-              "method": protocol.METHOD_INFER, "deadline": deadline}, [memoryview(body)])
-            for i, body in enumerate(bodies)]
+    return [
+        (
+            {
+                "v": protocol.PROTOCOL_VERSION,
+                "op": protocol.OP_CALL,
+                "id": 100 + i,
+                "method": protocol.METHOD_INFER,
+                "deadline": deadline,
+            },
+            [memoryview(body)],
+        )
+        for i, body in enumerate(bodies)
+    ]
 
 
 def answers(replies):
@@ -80,8 +99,9 @@ def answers(replies):
         if not header["ok"]:
             out.append((False, header["error"], None))
             continue
-        body = bytes(frames[1]) + b"".join(wire.bytes_field_header(header["append_field"], len(f)) + bytes(f)
-                                           for f in frames[2:])
+        body = bytes(frames[1]) + b"".join(
+            wire.bytes_field_header(header["append_field"], len(f)) + bytes(f) for f in frames[2:]
+        )
         response = v2.ModelInferResponse.FromString(body)
         if response.raw_output_contents:
             values = np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
@@ -94,8 +114,11 @@ def answers(replies):
 def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4], [5, 6]]), request([[7, 8]])))
     assert worker.model.batches == [4]
-    assert answers(replies) == [(True, None, [[2, 4]]), (True, None, [[6, 8], [10, 12]]),
-                                (True, None, [[14, 16]])]
+    assert answers(replies) == [
+        (True, None, [[2, 4]]),
+        (True, None, [[6, 8], [10, 12]]),
+        (True, None, [[14, 16]]),
+    ]
 
 
 def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
@@ -113,8 +136,13 @@ def test_batches_hold_at_most_batch_max_calls(worker):
 
 
 def test_calls_that_differ_run_apart(worker):
-    bodies = [request([[1, 2]]), request([[3, 4, 5]]), request([[6, 7]], datatype="FP64"),
-              request([[8, 9]], outputs=["y"]), request([[1, 1]])]
+    bodies = [
+        request([[1, 2]]),
+        request([[3, 4, 5]]),
+        request([[6, 7]], datatype="FP64"),
+        request([[8, 9]], outputs=["y"]),
+        request([[1, 1]]),
+    ]
     replies = worker.on_calls(calls(*bodies))
     assert sorted(worker.model.batches) == [1, 1, 1, 2], "only the first and last call look alike"
     assert all(ok for ok, _, _ in answers(replies[:2] + replies[3:]))
@@ -124,7 +152,10 @@ def test_a_bad_request_fails_alone(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), b"\xff\xff not protobuf", request([[3, 4]])))
     assert worker.model.batches == [2]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
-        (True, None), (False, protocol.ERROR_INVALID_INPUT), (True, None)]
+        (True, None),
+        (False, protocol.ERROR_INVALID_INPUT),
+        (True, None),
+    ]
 
 
 def test_an_expired_call_is_not_run(worker):
@@ -135,14 +166,20 @@ def test_an_expired_call_is_not_run(worker):
     replies = worker.on_calls(expired + fresh)
     assert worker.model.batches == [2], "the expired call's rows were predicted"
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
-        (False, protocol.ERROR_EXPIRED), (True, None), (True, None)]
+        (False, protocol.ERROR_EXPIRED),
+        (True, None),
+        (True, None),
+    ]
 
 
 def test_a_failing_batch_is_retried_call_by_call(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), request([[666, 0]]), request([[3, 4]])))
     assert worker.model.batches == [3, 1, 1, 1]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
-        (True, None), (False, protocol.ERROR_MODEL), (True, None)]
+        (True, None),
+        (False, protocol.ERROR_MODEL),
+        (True, None),
+    ]
 
 
 def test_outputs_that_are_not_per_row_are_retried_call_by_call(worker):
@@ -170,10 +207,9 @@ def test_sklearn_calls_under_load_each_get_their_own_prediction(tmp_path):
     """64 concurrent calls of different rows against a real iris LogisticRegression."""
     pytest.importorskip("sklearn")
     import joblib
+    from harness import Runtime, mesh_headers
     from sklearn.datasets import load_iris
     from sklearn.linear_model import LogisticRegression
-
-    from harness import Runtime, mesh_headers
 
     features, labels = load_iris(return_X_y=True)
     estimator = LogisticRegression(max_iter=1000).fit(features, labels)

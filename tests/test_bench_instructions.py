@@ -1,9 +1,12 @@
-"""scripts/bench_instructions.py: reading callgrind's counters (the valgrind runs themselves are in scripts/bench)."""
+"""scripts/bench_instructions.py: reading callgrind's counters.
+
+The valgrind runs themselves are in scripts/bench.
+"""
+
 import os
 import sys
 
 import pytest
-
 from harness import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))

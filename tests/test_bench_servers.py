@@ -1,4 +1,5 @@
 """scripts/canned_server.py, the reference servers of the data-plane benchmark (cases a and a2)."""
+
 import asyncio
 import os
 import signal
@@ -8,7 +9,6 @@ import sys
 import grpc
 import psutil
 import pytest
-
 from harness import REPO, expect_status, free_port, wait_until
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -24,8 +24,18 @@ def start_canned(tmp_path):
         answer.write_bytes(ANSWER)
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, os.path.join(REPO, "scripts", "canned_server.py"), "--port", str(port),
-             "--response", str(answer), *options], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                os.path.join(REPO, "scripts", "canned_server.py"),
+                "--port",
+                str(port),
+                "--response",
+                str(answer),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         started.append(process)
         assert process.stdout.readline().split() == ["ready", str(port)]
         return process, port
@@ -46,17 +56,24 @@ def _loaded_uvloop(pid: int) -> bool:
         return "/uvloop/" in maps.read()
 
 
-@pytest.mark.parametrize("options", [(), ("--uvloop",), ("--hop", "--uvloop")], ids=["canned", "uvloop", "hop"])
+@pytest.mark.parametrize(
+    "options", [(), ("--uvloop",), ("--hop", "--uvloop")], ids=["canned", "uvloop", "hop"]
+)
 def test_answers_every_call_with_the_fixed_bytes(start_canned, options):
     process, port = start_canned(*options)
     assert [infer(port, bytes([n]) * n) for n in (0, 1, 100)] == [ANSWER] * 3
     assert _loaded_uvloop(process.pid) == ("--uvloop" in options)
     if not options:  # (a) is a bare grpc.aio server: no thread gets another scheduling policy
-        assert {os.sched_getscheduler(thread.id) for thread in psutil.Process(process.pid).threads()} \
-            == {os.SCHED_OTHER}
+        assert {os.sched_getscheduler(thread.id) for thread in psutil.Process(process.pid).threads()} == {
+            os.SCHED_OTHER
+        }
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        expect_status(grpc.StatusCode.UNIMPLEMENTED,
-                      channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata"), b"", timeout=10)
+        expect_status(
+            grpc.StatusCode.UNIMPLEMENTED,
+            channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata"),
+            b"",
+            timeout=10,
+        )
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
@@ -69,8 +86,9 @@ def test_hop_child_ends_with_its_server(start_canned, how):
     assert front_policies == {os.SCHED_OTHER, os.SCHED_BATCH}  # grpc's threads as in mesh-runtime's front
     process.send_signal(how)
     process.wait(10)
-    wait_until(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE,
-               what="the hop child to exit")
+    wait_until(
+        lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, what="the hop child to exit"
+    )
 
 
 def test_hop_drops_the_answer_to_a_call_its_client_gave_up():

@@ -4,6 +4,7 @@ Judged by the CPU time the event loop burns (time.process_time), not by how
 fast anything is: a spinning window costs CPU, a sleeping one does not. Each
 test runs on both event loops the front can use (EVENT_LOOP).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +30,7 @@ def run(request):
             started = time.process_time()
             result = runner.run(coroutine_function())
             return time.process_time() - started, result
+
     return run_and_measure
 
 

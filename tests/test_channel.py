@@ -1,4 +1,5 @@
 """runtime/channel.py against a hand-driven DEALER: request records, and when polling is worth it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,10 +45,13 @@ async def until(condition, seconds: float = 5.0) -> None:
 @pytest.fixture
 def run(tmp_path):
     """Runs an async test with a started Channel and a connected FakeWorker."""
+
     def runner(test):
         async def main():
             heard = []
-            channel = Channel(f"ipc://{tmp_path}/channel.sock", lambda peer, header: heard.append(header["op"]))
+            channel = Channel(
+                f"ipc://{tmp_path}/channel.sock", lambda peer, header: heard.append(header["op"])
+            )
             channel.start()
             worker = FakeWorker(channel.address)
             try:
@@ -56,7 +60,9 @@ def run(tmp_path):
             finally:
                 worker.close()
                 await channel.close()
+
         asyncio.run(main())
+
     return runner
 
 
@@ -67,14 +73,16 @@ def test_reply_resolves_the_future_with_its_payloads(run):
         worker.answer(header["id"], b"response")
         reply, payloads = await asyncio.wait_for(future, 5)
         assert reply["ok"] and [bytes(p) for p in payloads] == [b"response"]
+
     run(test)
 
 
 def test_a_cancelled_caller_keeps_the_request_until_the_worker_answers(run):
     async def test(channel, worker):
         ended = []
-        future = channel.submit(b"w1", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
-                                method="m", deadline=None)
+        future = channel.submit(
+            b"w1", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1), method="m", deadline=None
+        )
         header = worker.take()
         future.cancel()
         await asyncio.sleep(0.05)
@@ -82,6 +90,7 @@ def test_a_cancelled_caller_keeps_the_request_until_the_worker_answers(run):
         assert channel.replies_due_soon()
         worker.answer(header["id"])
         await until(lambda: ended == [1])
+
     run(test)
 
 
@@ -98,40 +107,54 @@ def test_polling_is_worth_it_only_without_queued_requests(run):
         worker.answer(worker.take()["id"])
         await second
         assert not channel.replies_due_soon()
+
     run(test)
 
 
 def test_overdue_request_ends_with_the_given_error(run):
     async def test(channel, worker):
         ended = []
-        future = channel.submit(b"w1", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
-                                overdue_after=0.05, on_overdue=lambda: TimeoutError("overdue"),
-                                method="m", deadline=None)
+        future = channel.submit(
+            b"w1",
+            protocol.OP_CALL,
+            [b"x"],
+            on_end=lambda: ended.append(1),
+            overdue_after=0.05,
+            on_overdue=lambda: TimeoutError("overdue"),
+            method="m",
+            deadline=None,
+        )
         with pytest.raises(TimeoutError, match="overdue"):
             await asyncio.wait_for(future, 5)
         assert ended == [1]
         worker.answer(worker.take()["id"])  # a late answer is ignored
         await asyncio.sleep(0.05)
+
     run(test)
 
 
 def test_unknown_peer_fails_at_once_and_frees_the_slot(run):
     async def test(channel, worker):
         ended = []
-        future = channel.submit(b"nobody", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1),
-                                method="m", deadline=None)
+        future = channel.submit(
+            b"nobody", protocol.OP_CALL, [b"x"], on_end=lambda: ended.append(1), method="m", deadline=None
+        )
         with pytest.raises(PeerGone):
             await future
         assert ended == [1] and not channel.replies_due_soon()
+
     run(test)
 
 
 def test_dead_peer_fails_every_request_waiting_on_it(run):
     async def test(channel, worker):
-        futures = [channel.submit(b"w1", protocol.OP_CALL, [b"x"], method="m", deadline=None) for _ in range(3)]
+        futures = [
+            channel.submit(b"w1", protocol.OP_CALL, [b"x"], method="m", deadline=None) for _ in range(3)
+        ]
         channel.fail_peer(b"w1", -9)
         for future in futures:
             with pytest.raises(PeerGone):
                 await future
         assert not channel.replies_due_soon()
+
     run(test)

@@ -1,4 +1,5 @@
 """The first inference path: routing by header or field 1, forwarding bytes, status codes."""
+
 import asyncio
 import collections
 import threading
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from harness import MiB, expect_status, mesh_headers, status_of
+
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.budget import ByteBudget
 from runtime.dataplane import ROUTED_HANDLERS_MAX, InferenceService
@@ -54,40 +55,54 @@ def request(model_name="served", **inputs):
     message = v2.ModelInferRequest(model_name=model_name, id="req-1")
     for name, values in inputs.items():
         array = np.asarray(values, dtype=np.float32)
-        message.inputs.add(name=name, datatype="FP32", shape=array.shape).contents.fp32_contents.extend(array.ravel())
+        message.inputs.add(name=name, datatype="FP32", shape=array.shape).contents.fp32_contents.extend(
+            array.ravel()
+        )
     return message
 
 
 def test_routed_by_ascii_header(served):
-    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
-                                     metadata=[("mm-model-id", "served")])
+    answer = served.infer.ModelInfer(
+        request(model_name="isvc-name", x=[[1, 2]]), metadata=[("mm-model-id", "served")]
+    )
     assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
     assert answer.id == "req-1"
 
 
 def test_routed_by_binary_header_with_non_ascii_id(served):
-    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
-                                     metadata=mesh_headers(NON_ASCII_ID))
+    answer = served.infer.ModelInfer(
+        request(model_name="isvc-name", x=[[1, 2]]), metadata=mesh_headers(NON_ASCII_ID)
+    )
     assert answer.outputs[0].name == "doubled"
 
 
 def test_binary_header_wins_over_the_ascii_one(served):
-    answer = served.infer.ModelInfer(request(model_name="isvc-name", x=[[1, 2]]),
-                                     metadata=[("mm-model-id", "ghost"), ("mm-model-id-bin", "served".encode())])
+    answer = served.infer.ModelInfer(
+        request(model_name="isvc-name", x=[[1, 2]]),
+        metadata=[("mm-model-id", "ghost"), ("mm-model-id-bin", b"served")],
+    )
     assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
 
 
 def test_binary_header_that_is_not_utf8_is_invalid_argument(served):
-    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer,
-                          request(x=[[1, 2]]), metadata=[("mm-model-id-bin", b"\xff\xfe")])
+    error = expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        served.infer.ModelInfer,
+        request(x=[[1, 2]]),
+        metadata=[("mm-model-id-bin", b"\xff\xfe")],
+    )
     assert "UTF-8" in error.details()
 
 
 @pytest.mark.parametrize("header", ["mm-model-id", "mm-model-id-bin"])
 def test_too_long_id_in_a_header_is_invalid_argument(served, header):
     model_id = "m" * 2000  # over modelspec.MAX_MODEL_ID_BYTES, under grpc's header limit
-    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer, request(x=[[1, 2]]),
-                          metadata=[(header, model_id.encode() if header.endswith("-bin") else model_id)])
+    error = expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        served.infer.ModelInfer,
+        request(x=[[1, 2]]),
+        metadata=[(header, model_id.encode() if header.endswith("-bin") else model_id)],
+    )
     assert "longer" in error.details()
 
 
@@ -104,21 +119,24 @@ def test_parameters_reach_predict(served):
 
 
 def test_unknown_model_is_not_found(served):
-    error = expect_status(grpc.StatusCode.NOT_FOUND, served.infer.ModelInfer,
-                          request(model_name="ghost", x=[[1, 2]]))
+    error = expect_status(
+        grpc.StatusCode.NOT_FOUND, served.infer.ModelInfer, request(model_name="ghost", x=[[1, 2]])
+    )
     assert "ghost" in error.details()
 
 
 def test_no_model_id_anywhere_is_invalid_argument(served):
-    expect_status(grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer,
-                  request(model_name="", x=[[1, 2]]))
+    expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelInfer, request(model_name="", x=[[1, 2]])
+    )
 
 
 def test_malformed_request_bytes_are_invalid_argument(served):
     raw = served.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\xff\xff\xff", metadata=None)
-    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\x06served\x2a\x03\x0a\xff",
-                          metadata=None)
+    error = expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT, raw, b"\x0a\x06served\x2a\x03\x0a\xff", metadata=None
+    )
     assert "not found" not in error.details().lower()
 
 
@@ -151,7 +169,9 @@ def test_model_metadata_from_the_model(served):
 
 def test_model_ready(served):
     assert served.infer.ModelReady(v2.ModelReadyRequest(name="served")).ready
-    assert served.infer.ModelReady(v2.ModelReadyRequest(name="isvc"), metadata=mesh_headers(NON_ASCII_ID)).ready
+    assert served.infer.ModelReady(
+        v2.ModelReadyRequest(name="isvc"), metadata=mesh_headers(NON_ASCII_ID)
+    ).ready
     expect_status(grpc.StatusCode.NOT_FOUND, served.infer.ModelReady, v2.ModelReadyRequest(name="ghost"))
 
 
@@ -180,8 +200,9 @@ def test_unknown_method_is_unimplemented(served):
 
 def test_worker_dying_mid_request_is_unavailable_then_the_model_heals(runtime):
     runtime.load("fragile", runtime.model_dir("fragile", MODEL))
-    error = expect_status(grpc.StatusCode.UNAVAILABLE, runtime.infer.ModelInfer,
-                          request(model_name="fragile", die=[1]))
+    error = expect_status(
+        grpc.StatusCode.UNAVAILABLE, runtime.infer.ModelInfer, request(model_name="fragile", die=[1])
+    )
     assert "exit code 7" in error.details()
     answer = runtime.infer.ModelInfer(request(model_name="fragile", x=[[1, 2]]), timeout=30)
     assert list(answer.outputs[0].contents.fp32_contents) == [2, 4]
@@ -189,7 +210,11 @@ def test_worker_dying_mid_request_is_unavailable_then_the_model_heals(runtime):
 
 
 def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
-    runtime.load("slow", runtime.model_dir("slow", """
+    runtime.load(
+        "slow",
+        runtime.model_dir(
+            "slow",
+            """
         import time
         class Model:
             def __init__(self, path):
@@ -197,10 +222,15 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
             def predict(self, inputs):
                 time.sleep(5)
                 return inputs
-    """))
+    """,
+        ),
+    )
     outcome = []
-    thread = threading.Thread(target=lambda: outcome.append(
-        status_of(runtime.infer.ModelInfer, request(model_name="slow", x=[1]), timeout=30)))
+    thread = threading.Thread(
+        target=lambda: outcome.append(
+            status_of(runtime.infer.ModelInfer, request(model_name="slow", x=[1]), timeout=30)
+        )
+    )
     thread.start()
     time.sleep(0.5)
     runtime.unload("slow")
@@ -235,8 +265,9 @@ def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
 
     async def call_each():
         for model_id in ids:
-            handler = service.service(details("/inference.GRPCInferenceService/ModelInfer",
-                                              (("mm-model-id", model_id),)))
+            handler = service.service(
+                details("/inference.GRPCInferenceService/ModelInfer", (("mm-model-id", model_id),))
+            )
             await handler.stream_unary(iter(()), context)
             assert len(service._routed) <= ROUTED_HANDLERS_MAX
 

@@ -1,4 +1,5 @@
 """scripts/demo, run as a user would (its body, scripts/demo.py, with the venv already made)."""
+
 import os
 import re
 import subprocess
@@ -6,7 +7,6 @@ import sys
 
 import psutil
 import pytest
-
 from harness import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -31,9 +31,14 @@ def in_session(session: int) -> list[psutil.Process]:
 def demo():
     """-> (exit code, output, processes of the demo's session left afterwards)."""
     # Its own session: whatever the demo starts, however deep, is found by session id.
-    process = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "demo.py")], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "scripts", "demo.py")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=DEMO_TIMEOUT)
     finally:

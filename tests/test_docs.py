@@ -1,10 +1,10 @@
 """docs/architecture.md names only modules, classes and functions that exist."""
+
 import importlib
 import os
 import re
 
 import pytest
-
 from harness import REPO
 
 DOTTED = re.compile(r"`((?:runtime|workers|protos)(?:\.\w+)+)`")

@@ -9,6 +9,7 @@ installs the `all` extra, torch included: its CPU wheel installs in about
 extra, tested both through a runtime that cannot see the frameworks and on
 modelspec.resolve directly.
 """
+
 import importlib.util
 import json
 import os
@@ -20,8 +21,8 @@ import grpc
 import numpy as np
 import psutil
 import pytest
-
 from harness import REPO, MiB, Runtime, expect_status, mesh_headers, tree
+
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from runtime import modelspec, status
@@ -60,8 +61,10 @@ def example_path(examples, fmt: str) -> str:
 
 # -- talking V2 ----------------------------------------------------------------------------
 
-def infer(rt, model_id: str, array: np.ndarray, outputs=(), name=make_examples.INPUT_NAME,
-          datatype="FP32") -> v2.ModelInferResponse:
+
+def infer(
+    rt, model_id: str, array: np.ndarray, outputs=(), name=make_examples.INPUT_NAME, datatype="FP32"
+) -> v2.ModelInferResponse:
     """ModelInfer with the input as raw bytes (as tritonclient sends it): the worker sees read-only views."""
     request = v2.ModelInferRequest(model_name=model_id)
     request.inputs.add(name=name, datatype=datatype, shape=array.shape)
@@ -84,33 +87,40 @@ def outputs_of(response: v2.ModelInferResponse) -> dict[str, np.ndarray]:
 
 
 def metadata(rt, model_id: str) -> v2.ModelMetadataResponse:
-    return rt.infer.ModelMetadata(v2.ModelMetadataRequest(name=model_id), metadata=mesh_headers(model_id),
-                                  timeout=10)
+    return rt.infer.ModelMetadata(
+        v2.ModelMetadataRequest(name=model_id), metadata=mesh_headers(model_id), timeout=10
+    )
 
 
 # -- the frameworks called directly ------------------------------------------------------
+
 
 def direct(fmt: str, path: str, features: np.ndarray) -> dict[str, np.ndarray]:
     """What the framework itself answers for the example at path (all outputs)."""
     model_file = common.model_file(path, fmt)
     if fmt == "sklearn":
         import joblib
+
         estimator = joblib.load(model_file)
         return {"predict": estimator.predict(features), "predict_proba": estimator.predict_proba(features)}
     if fmt == "xgboost":
         import xgboost
+
         booster = xgboost.Booster(model_file=model_file)
         return {"predict": booster.predict(xgboost.DMatrix(features))}
     if fmt == "lightgbm":
         import lightgbm
+
         return {"predict": lightgbm.Booster(model_file=model_file).predict(features)}
     if fmt == "onnx":
         import onnxruntime
+
         session = onnxruntime.InferenceSession(model_file, providers=["CPUExecutionProvider"])
         names = [output.name for output in session.get_outputs()]
-        return dict(zip(names, session.run(names, {make_examples.INPUT_NAME: features})))
+        return dict(zip(names, session.run(names, {make_examples.INPUT_NAME: features}), strict=True))
     if fmt == "pytorch":
         import torch
+
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript, deprecated in torch 2.13
             return {"output__0": torch.jit.load(model_file)(torch.from_numpy(features.copy())).numpy()}
@@ -128,6 +138,7 @@ def assert_same(served: dict, expected: dict) -> None:
 
 
 # -- memory, measured from outside --------------------------------------------------------
+
 
 def memory(rt) -> int:
     """The runtime tree's USS, leaving out the fork server's clean file pages.
@@ -156,6 +167,7 @@ def _unique(process: psutil.Process) -> int:
 
 # -- one test per format --------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_format_end_to_end(rt, examples, fmt):
     path = example_path(examples, fmt)
@@ -176,10 +188,16 @@ def test_format_end_to_end(rt, examples, fmt):
     first = next(iter(served.values()))  # labels, or one probability per class
     assert list(first.argmax(axis=1) if first.ndim == 2 else first) == [0, 2], "a setosa and a virginica"
 
-    predicted = rt.mesh.predictModelSize(mm.PredictModelSizeRequest(
-        modelId="p", modelPath=path, modelKey=json.dumps({"model_type": {"name": fmt}})), timeout=5).sizeInBytes
+    predicted = rt.mesh.predictModelSize(
+        mm.PredictModelSizeRequest(
+            modelId="p", modelPath=path, modelKey=json.dumps({"model_type": {"name": fmt}})
+        ),
+        timeout=5,
+    ).sizeInBytes
     serving_size = rt.mesh.modelSize(mm.ModelSizeRequest(modelId=model_id), timeout=5).sizeInBytes
-    assert predicted >= serving_size, f"size_floor {predicted / MiB:.1f} MiB < {serving_size / MiB:.1f} MiB serving"
+    assert predicted >= serving_size, (
+        f"size_floor {predicted / MiB:.1f} MiB < {serving_size / MiB:.1f} MiB serving"
+    )
 
     worker = rt.worker_for(model_id)
     rt.unload(model_id)
@@ -200,6 +218,7 @@ def test_format_detected_from_files(rt, examples, fmt):
 
 
 # -- what each format promises beyond the common path ----------------------------------------
+
 
 @pytest.fixture
 def loaded(rt, examples):
@@ -224,8 +243,14 @@ def test_sklearn_predict_proba_only_when_asked(rt, loaded):
     assert list(outputs_of(infer(rt, model_id, make_examples.SAMPLE))) == ["predict"]
     only_proba = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["predict_proba"]))
     assert list(only_proba) == ["predict_proba"] and only_proba["predict_proba"].shape == (2, 3)
-    error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, infer, rt, model_id, make_examples.SAMPLE,
-                          outputs=["decision_function"])
+    error = expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        infer,
+        rt,
+        model_id,
+        make_examples.SAMPLE,
+        outputs=["decision_function"],
+    )
     assert "decision_function" in error.details()
 
 
@@ -234,7 +259,9 @@ def test_sklearn_metadata(rt, loaded):
     assert answer.platform == "sklearn"
     assert [(t.name, t.datatype, list(t.shape)) for t in answer.inputs] == [("input-0", "FP64", [-1, 4])]
     assert [(t.name, t.datatype, list(t.shape)) for t in answer.outputs] == [
-        ("predict", "INT64", [-1]), ("predict_proba", "FP64", [-1, 3])]
+        ("predict", "INT64", [-1]),
+        ("predict_proba", "FP64", [-1, 3]),
+    ]
 
 
 @pytest.mark.parametrize("fmt", ["sklearn", "xgboost", "lightgbm"])
@@ -261,14 +288,17 @@ def test_onnx_uses_the_graph_names_and_types(rt, loaded):
     assert answer.platform == "onnxruntime_onnx"
     assert [(t.name, t.datatype, list(t.shape)) for t in answer.inputs] == [("features", "FP32", [-1, 4])]
     assert [(t.name, t.datatype, list(t.shape)) for t in answer.outputs] == [
-        ("label", "INT64", [-1]), ("probabilities", "FP32", [-1, 3])]
+        ("label", "INT64", [-1]),
+        ("probabilities", "FP32", [-1, 3]),
+    ]
     only_label = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["label"]))
     assert list(only_label) == ["label"] and list(only_label["label"]) == [0, 2]
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     wrong_name = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE, name="x")
     assert "'features'" in wrong_name.details()
-    wrong_type = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE.astype(np.float64),
-                               datatype="FP64")
+    wrong_type = expect_status(
+        invalid, infer, rt, model_id, make_examples.SAMPLE.astype(np.float64), datatype="FP64"
+    )
     assert "FP32" in wrong_type.details()
     wrong_shape = expect_status(invalid, infer, rt, model_id, np.ones((2, 5), dtype=np.float32))
     assert "[-1, 4]" in wrong_shape.details()
@@ -279,11 +309,14 @@ def test_pytorch_names_its_output_like_triton(rt, loaded):
     assert list(outputs_of(infer(rt, model_id, make_examples.SAMPLE, name="anything"))) == ["output__0"]
     answer = metadata(rt, model_id)
     assert answer.platform == "pytorch_libtorch"
-    assert [t.name for t in answer.inputs] == ["features"] and [t.name for t in answer.outputs] == ["output__0"]
+    assert [t.name for t in answer.inputs] == ["features"] and [t.name for t in answer.outputs] == [
+        "output__0"
+    ]
 
 
 def test_onnx_threads_come_from_worker_threads(monkeypatch):
     from workers.formats import onnx
+
     monkeypatch.delenv("WORKER_THREADS", raising=False)
     assert onnx.threads() == 1
     monkeypatch.setenv("WORKER_THREADS", "3")
@@ -292,14 +325,17 @@ def test_onnx_threads_come_from_worker_threads(monkeypatch):
 
 # -- adapters called in this process, for what the examples do not cover -----------------------
 
+
 def test_sklearn_reads_plain_pickles_and_text_pipelines(tmp_path):
     pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
     import pickle
+
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
 
     from workers.formats import sklearn as adapter
+
     texts = ["great product", "terrible service", "great service", "terrible product"]
     pipeline = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, [1, 0, 1, 0])
     with open(tmp_path / "model.pkl", "wb") as f:
@@ -314,15 +350,19 @@ def test_sklearn_reads_plain_pickles_and_text_pipelines(tmp_path):
 def test_xgboost_reads_ubjson(tmp_path):
     xgboost = pytest.importorskip("xgboost", reason="pip install 'mesh-runtime[xgboost]'")
     from workers.formats import xgboost as adapter
+
     rows = np.arange(20, dtype=np.float32).reshape(10, 2)
     booster = xgboost.train({"nthread": 1}, xgboost.DMatrix(rows, label=rows[:, 0] * 2), num_boost_round=3)
     booster.save_model(str(tmp_path / "model.ubj"))
     model = adapter.load(str(tmp_path))
-    np.testing.assert_allclose(model.predict({"x": rows}, {}, [])["predict"], booster.predict(xgboost.DMatrix(rows)))
+    np.testing.assert_allclose(
+        model.predict({"x": rows}, {}, [])["predict"], booster.predict(xgboost.DMatrix(rows))
+    )
     assert model.metadata()["outputs"][0]["shape"] == [-1]
 
 
 # -- the model file inside modelPath (no runtime needed) ----------------------------------------
+
 
 def touch(folder, *names):
     os.makedirs(folder, exist_ok=True)
@@ -367,11 +407,19 @@ def test_every_framework_format_names_an_extra_and_a_floor():
 
 # -- a framework that is not installed ----------------------------------------------------------
 
+
 def test_resolve_names_the_extra_of_a_missing_framework(tmp_path):
-    fake = formats.Format("fakeformat", "workers.formats.fakeformat", framework="no_such_framework_xyz",
-                          extra="fakeformat", suffixes=(".fake",))
+    fake = formats.Format(
+        "fakeformat",
+        "workers.formats.fakeformat",
+        framework="no_such_framework_xyz",
+        extra="fakeformat",
+        suffixes=(".fake",),
+    )
     models = touch(tmp_path / "models" / "m", "model.fake")
-    settings = Settings.from_env({"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")})
+    settings = Settings.from_env(
+        {"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")}
+    )
     for key in (json.dumps({"model_type": {"name": "fakeformat"}}), ""):  # named, and detected from the files
         with pytest.raises(status.RpcError) as error:
             modelspec.resolve("m", "", models, key, settings, known_formats=(*formats.FORMATS, fake))
@@ -398,8 +446,9 @@ def test_missing_framework_is_failed_precondition_naming_the_extra(tmp_path):
         for fmt in FRAMEWORKS.values():
             folder = touch(os.path.join(runtime.models, fmt.name), f"model{fmt.suffixes[0]}")
             for named in (fmt.name, None):
-                error = expect_status(grpc.StatusCode.FAILED_PRECONDITION, runtime.load, f"m-{fmt.name}",
-                                      folder, fmt=named)
+                error = expect_status(
+                    grpc.StatusCode.FAILED_PRECONDITION, runtime.load, f"m-{fmt.name}", folder, fmt=named
+                )
                 assert f"pip install 'mesh-runtime[{fmt.extra}]'" in error.details()
                 assert runtime.model_workers() == 0, "refused before any worker was touched"
                 runtime.unload(f"m-{fmt.name}")

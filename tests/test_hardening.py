@@ -1,16 +1,16 @@
 """Hostile clients: one request must not stall the front, big calls must not grow it without bound,
 and an id that cannot be logged or titled is refused before any worker is touched."""
+
 import asyncio
 import concurrent.futures
 import threading
 import time
 
 import grpc
-import numpy as np
 import psutil
 import pytest
-
 from harness import MiB, Runtime, expect_status, mesh_headers, status_of, wait_until
+
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from protos import wire
@@ -209,6 +209,7 @@ def test_reads_wait_in_line_for_room_for_the_largest_request():
         budget.release("m", 30)
         await asyncio.sleep(0)
         assert fourth.done() and budget.reading == 80 and budget.held == 0
+
     asyncio.run(scenario())
 
 
@@ -224,6 +225,7 @@ def test_reads_beyond_the_line_limit_are_refused_at_once():
         assert f"{READ_LINE_MAX} calls already wait" in raised.value.message
         for turn in waiting:
             turn.cancel()
+
     asyncio.run(scenario())
 
 
@@ -255,8 +257,10 @@ def test_sixty_big_calls_to_a_slow_model_keep_the_front_bounded_and_the_small_on
         try:
             with concurrent.futures.ThreadPoolExecutor(64) as pool:
                 infer = runtime.channel.unary_unary(INFER)
-                bigs = [pool.submit(status_of, infer, big, metadata=mesh_headers("slow"), timeout=60)
-                        for _ in range(60)]
+                bigs = [
+                    pool.submit(status_of, infer, big, metadata=mesh_headers("slow"), timeout=60)
+                    for _ in range(60)
+                ]
                 smalls = [pool.submit(_call, runtime.channel, small, mesh_headers("slow")) for _ in range(4)]
                 big_codes = [f.result() for f in bigs]
                 small_errors = [f.result() for f in smalls]
@@ -277,15 +281,20 @@ def test_sixty_big_calls_to_a_slow_model_keep_the_front_bounded_and_the_small_on
 # -- model ids and responses ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_id", ["a\0b", "a\nb", "forged\n2026-01-01 INFO loaded x", "tab\tid", "x\u2028y"])
+@pytest.mark.parametrize(
+    "model_id", ["a\0b", "a\nb", "forged\n2026-01-01 INFO loaded x", "tab\tid", "x\u2028y"]
+)
 def test_model_id_with_a_control_character_is_refused_before_any_worker(rt, model_id):
     spares = {p.pid for p in rt.spares()}
     error = expect_status(grpc.StatusCode.INVALID_ARGUMENT, rt.load, model_id, rt.model_dir("ctl"))
     assert "control character" in error.details()
     assert {p.pid for p in rt.spares()} == spares, "a worker was spent on a refused id"
     assert model_id not in rt.log()
-    expect_status(grpc.StatusCode.INVALID_ARGUMENT, rt.mesh.predictModelSize,
-                  mm.PredictModelSizeRequest(modelId=model_id, modelPath=rt.model_dir("ctl")))
+    expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        rt.mesh.predictModelSize,
+        mm.PredictModelSizeRequest(modelId=model_id, modelPath=rt.model_dir("ctl")),
+    )
 
 
 def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():

@@ -1,12 +1,16 @@
-"""Hostile input: garbage requests, absurd ids, rogue socket peers. Only clear errors; the runtime keeps serving."""
+"""Hostile input: garbage requests, absurd ids, rogue socket peers.
+
+Only clear errors; the runtime keeps serving.
+"""
 
 import grpc
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from harness import MiB, expect_status, mesh_headers, status_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from protos import grpc_predict_v2_pb2 as v2
 from workers import protocol
 
@@ -27,7 +31,7 @@ def _valid_request() -> bytes:
     raw = v2.ModelInferRequest(model_name="echo")
     raw.inputs.add(name="r", datatype="INT16", shape=[3])
     raw.raw_input_contents.append(np.arange(3, dtype="<i2").tobytes())
-    return request.SerializeToString() + raw.SerializeToString()[len(b"\x0a\x04echo"):]
+    return request.SerializeToString() + raw.SerializeToString()[len(b"\x0a\x04echo") :]
 
 
 VALID = _valid_request()
@@ -46,7 +50,7 @@ def mutated(draw):
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=8))
         elif data:
-            del data[at:at + draw(st.integers(1, 8))]
+            del data[at : at + draw(st.integers(1, 8))]
     return bytes(data)
 
 
@@ -81,8 +85,13 @@ def test_rogue_peer_on_the_worker_socket_is_ignored(echo):
     rogue.setsockopt(zmq.IDENTITY, b"w1")  # pretends to be a worker
     rogue.setsockopt(zmq.LINGER, 0)
     rogue.connect(f"ipc://{echo.env['RUNTIME_DIR']}/workers.sock")
-    for junk in ([b"\xc1"], [b"not msgpack", b"x"], [protocol.header("reply", 99999, ok=True)],
-                 [b"\x81\xa1v\x63"], []):
+    for junk in (
+        [b"\xc1"],
+        [b"not msgpack", b"x"],
+        [protocol.header("reply", 99999, ok=True)],
+        [b"\x81\xa1v\x63"],
+        [],
+    ):
         if junk:
             rogue.send_multipart(junk)
     rogue.close()
@@ -91,10 +100,16 @@ def test_rogue_peer_on_the_worker_socket_is_ignored(echo):
     assert echo.process.poll() is None
 
 
-@pytest.mark.parametrize("frames", [
-    [b""], [b"\xc1"], [b"\x90"], [b"\x82\xa1v\x01\xa2op\xa3zzz"],
-    [b"\x83\xa1v\x02\xa2op\xa4ping\xa2id\x00"],
-])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b""],
+        [b"\xc1"],
+        [b"\x90"],
+        [b"\x82\xa1v\x01\xa2op\xa3zzz"],
+        [b"\x83\xa1v\x02\xa2op\xa4ping\xa2id\x00"],
+    ],
+)
 def test_malformed_headers_raise_protocol_error(frames):
     with pytest.raises(protocol.ProtocolError):
         protocol.split(frames)

@@ -3,11 +3,11 @@
 The front must not pull model code into its process, the workers must not depend on the front,
 and plumbing/ serves both without depending on either.
 """
+
 import ast
 import os
 
 import pytest
-
 from harness import REPO
 
 FRAMEWORKS = {"sklearn", "xgboost", "lightgbm", "onnxruntime", "onnx", "torch", "joblib"}

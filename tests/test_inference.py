@@ -1,4 +1,5 @@
 """The KServe V2 data plane through a real runtime: clients, datatypes, replicas, queues, deadlines."""
+
 import concurrent.futures
 import importlib.util
 import os
@@ -9,11 +10,10 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from harness import MiB, Runtime, expect_status, mesh_headers, wait_until
+
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.replicas import PIPELINE_DEPTH
-
 
 ECHO = """
     import numpy as np
@@ -65,8 +65,17 @@ def echo(runtime):
 def test_tritonclient_health_metadata_and_infer(echo):
     if importlib.util.find_spec("tritonclient") is None:  # not imported here: see tritonclient_check.py
         pytest.skip("tritonclient[grpc] is not installed (it is in the test extra)")
-    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "tritonclient_check.py"),
-                           str(echo.port), "echo"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "tritonclient_check.py"),
+            str(echo.port),
+            "echo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "tritonclient checks passed" in done.stdout
 
@@ -81,17 +90,27 @@ SAMPLES = {
     "UINT64": np.array([[0, 7, 2**64 - 1]], dtype=np.uint64),
     "INT8": np.array([[-128, 0, 127]], dtype=np.int8),
     "INT16": np.array([[-32768, 0, 32767]], dtype=np.int16),
-    "INT32": np.array([[-2**31, 0, 2**31 - 1]], dtype=np.int32),
-    "INT64": np.array([[-2**63, 0, 2**63 - 1]], dtype=np.int64),
+    "INT32": np.array([[-(2**31), 0, 2**31 - 1]], dtype=np.int32),
+    "INT64": np.array([[-(2**63), 0, 2**63 - 1]], dtype=np.int64),
     "FP16": np.array([[0.5, -2.0, 65504]], dtype=np.float16),
     "FP32": np.array([[0.25, -1e30, 3.5]], dtype=np.float32),
     "FP64": np.array([[0.1, -1e300, 2.5]], dtype=np.float64),
     "BYTES": np.array([[b"a", b"\x00\xff", "é".encode()]], dtype=np.object_),
 }
-TYPED_FIELD = {"BOOL": "bool_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-               "UINT32": "uint_contents", "UINT64": "uint64_contents", "INT8": "int_contents",
-               "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
-               "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+TYPED_FIELD = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
 NUMPY_TYPE = {name: array.dtype for name, array in SAMPLES.items()}
 
 
@@ -105,8 +124,8 @@ def _from_raw(datatype, data, shape):
     if datatype == "BYTES":
         elements, pos = [], 0
         while pos < len(data):
-            length = int.from_bytes(data[pos:pos + 4], "little")
-            elements.append(data[pos + 4:pos + 4 + length])
+            length = int.from_bytes(data[pos : pos + 4], "little")
+            elements.append(data[pos + 4 : pos + 4 + length])
             pos += 4 + length
         return np.array(elements, dtype=np.object_).reshape(shape)
     return np.frombuffer(data, dtype=NUMPY_TYPE[datatype]).reshape(shape)
@@ -159,12 +178,16 @@ def test_requested_outputs_select_and_order(echo):
     assert "zzz" in error.details()
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda r: r.inputs[0].shape.extend([10**12]), "elements"),
-    (lambda r: setattr(r.inputs[0], "datatype", "FLOAT"), "unknown datatype"),
-    (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 3), "needs 16 bytes"),
-    (lambda r: r.raw_input_contents.append(b""), "raw_input_contents has 2 entries"),
-], ids=["huge-shape", "bad-datatype", "short-raw", "extra-raw"])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda r: r.inputs[0].shape.extend([10**12]), "elements"),
+        (lambda r: setattr(r.inputs[0], "datatype", "FLOAT"), "unknown datatype"),
+        (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 3), "needs 16 bytes"),
+        (lambda r: r.raw_input_contents.append(b""), "raw_input_contents has 2 entries"),
+    ],
+    ids=["huge-shape", "bad-datatype", "short-raw", "extra-raw"],
+)
 def test_bad_tensors_are_invalid_argument(echo, mutate, words):
     request = v2.ModelInferRequest(model_name="echo")
     request.inputs.add(name="x", datatype="FP32", shape=[4])
@@ -193,8 +216,13 @@ def test_custom_method_without_allow_any_method_is_unimplemented(echo):
 
 @pytest.fixture(scope="module")
 def replicated():
-    with Runtime(MODEL_REPLICAS="2", WORKER_THREADS="2", LIMIT_MODEL_CONCURRENCY="true",
-                 ALLOW_ANY_METHOD="true", WORKERS_WARM="2") as runtime:
+    with Runtime(
+        MODEL_REPLICAS="2",
+        WORKER_THREADS="2",
+        LIMIT_MODEL_CONCURRENCY="true",
+        ALLOW_ANY_METHOD="true",
+        WORKERS_WARM="2",
+    ) as runtime:
         yield runtime
 
 
@@ -212,8 +240,11 @@ def test_64_concurrent_requests_spread_over_both_replicas(replicated):
 
     def call(_):
         answer = replicated.infer.ModelInfer(v2.ModelInferRequest(model_name="spread"), timeout=30)
-        return int(np.frombuffer(answer.raw_output_contents[0], dtype=np.int64)[0]) \
-            if answer.raw_output_contents else answer.outputs[0].contents.int64_contents[0]
+        return (
+            int(np.frombuffer(answer.raw_output_contents[0], dtype=np.int64)[0])
+            if answer.raw_output_contents
+            else answer.outputs[0].contents.int64_contents[0]
+        )
 
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         served_by = list(pool.map(call, range(64)))
@@ -230,7 +261,8 @@ def test_allow_any_method_leaves_health_and_reflection_alone(replicated):
     health = health_pb2_grpc.HealthStub(replicated.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     answers = reflection_pb2_grpc.ServerReflectionStub(replicated.channel).ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
     services = {s.name for answer in answers for s in answer.list_services_response.service}
     assert {"mmesh.ModelRuntime", "inference.GRPCInferenceService"} <= services
 

@@ -1,4 +1,5 @@
 """mmesh.ModelRuntime, driven the way model-mesh drives it (contract doc sections 1-3)."""
+
 import json
 import os
 import threading
@@ -6,9 +7,18 @@ import time
 
 import grpc
 import pytest
+from harness import (
+    ECHO_MODEL,
+    MiB,
+    Runtime,
+    alive,
+    allocating_model,
+    expect_status,
+    tree,
+    wait_until,
+    write_model,
+)
 
-from harness import (ECHO_MODEL, MiB, Runtime, alive, allocating_model, expect_status, tree,
-                     wait_until, write_model)
 from protos import model_runtime_pb2 as mm
 
 # Blocks in its constructor until a file named "go" appears in its folder.
@@ -60,13 +70,16 @@ def test_capacity_too_small_for_mesh_answers_failing():
     runtime = Runtime(CONTAINER_MEM_REQ_BYTES=str(300 * MiB), DEFAULT_MODELSIZE=str(100 * MiB))
     runtime.start(wait_ready=False)
     try:
+
         def answer():
             try:
                 return runtime.mesh.runtimeStatus(mm.RuntimeStatusRequest(), timeout=5).status
             except grpc.RpcError:
                 return None
-        assert wait_until(lambda: answer() == mm.RuntimeStatusResponse.FAILING, timeout=30,
-                          what="runtimeStatus FAILING")
+
+        assert wait_until(
+            lambda: answer() == mm.RuntimeStatusResponse.FAILING, timeout=30, what="runtimeStatus FAILING"
+        )
     finally:
         runtime.stop()
 
@@ -160,8 +173,12 @@ def test_symlink_into_pvc_mounts_loads(rt):
 
 def _assert_refused_cleanly(rt, model_id, path, expected, words, model_type="", fmt="python", key=None):
     before = {p.pid for p in rt.workers()}
-    request = mm.LoadModelRequest(modelId=model_id, modelType=model_type, modelPath=path,
-                                  modelKey=key if key is not None else json.dumps({"model_type": {"name": fmt}}))
+    request = mm.LoadModelRequest(
+        modelId=model_id,
+        modelType=model_type,
+        modelPath=path,
+        modelKey=key if key is not None else json.dumps({"model_type": {"name": fmt}}),
+    )
     error = expect_status(expected, rt.mesh.loadModel, request, timeout=60)
     assert words in error.details()
     assert "not found" not in error.details().lower()
@@ -172,14 +189,20 @@ def _assert_refused_cleanly(rt, model_id, path, expected, words, model_type="", 
 
 
 def test_missing_path(rt):
-    _assert_refused_cleanly(rt, "missing", os.path.join(rt.models, "nope"),
-                            grpc.StatusCode.FAILED_PRECONDITION, "does not exist")
+    _assert_refused_cleanly(
+        rt, "missing", os.path.join(rt.models, "nope"), grpc.StatusCode.FAILED_PRECONDITION, "does not exist"
+    )
 
 
 def test_path_escaping_root_with_dotdot(rt):
     write_model(os.path.join(rt.root, "outside"), ECHO_MODEL)
-    _assert_refused_cleanly(rt, "escape", os.path.join(rt.models, "..", "outside"),
-                            grpc.StatusCode.INVALID_ARGUMENT, "outside ROOT_MODEL_DIR")
+    _assert_refused_cleanly(
+        rt,
+        "escape",
+        os.path.join(rt.models, "..", "outside"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "outside ROOT_MODEL_DIR",
+    )
 
 
 def test_symlink_to_a_folder_outside_both_roots(rt):
@@ -198,33 +221,51 @@ def test_symlinked_file_inside_model_folder_leading_outside(rt):
 
 
 def test_unknown_format(rt):
-    _assert_refused_cleanly(rt, "unknown-format", rt.model_dir("uf"), grpc.StatusCode.INVALID_ARGUMENT,
-                            "unknown model format", fmt="tensorflow-9000")
+    _assert_refused_cleanly(
+        rt,
+        "unknown-format",
+        rt.model_dir("uf"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown model format",
+        fmt="tensorflow-9000",
+    )
 
 
 def test_format_not_recognisable_from_files(rt):
     folder = os.path.join(rt.models, "no-format")
     os.makedirs(folder)
     open(os.path.join(folder, "weights.bin"), "wb").close()
-    _assert_refused_cleanly(rt, "no-format", folder, grpc.StatusCode.INVALID_ARGUMENT,
-                            "cannot tell the model format", key="")
+    _assert_refused_cleanly(
+        rt, "no-format", folder, grpc.StatusCode.INVALID_ARGUMENT, "cannot tell the model format", key=""
+    )
 
 
 def test_model_key_not_json(rt):
-    _assert_refused_cleanly(rt, "bad-key", rt.model_dir("bk"), grpc.StatusCode.INVALID_ARGUMENT,
-                            "not valid JSON", key="{model_type:")
+    _assert_refused_cleanly(
+        rt,
+        "bad-key",
+        rt.model_dir("bk"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not valid JSON",
+        key="{model_type:",
+    )
 
 
 def test_empty_model_id(rt):
-    _assert_refused_cleanly(rt, "", rt.model_dir("no-id"), grpc.StatusCode.INVALID_ARGUMENT, "modelId is empty")
+    _assert_refused_cleanly(
+        rt, "", rt.model_dir("no-id"), grpc.StatusCode.INVALID_ARGUMENT, "modelId is empty"
+    )
 
 
 def test_model_that_raises_while_loading(rt):
-    path = rt.model_dir("raises", """
+    path = rt.model_dir(
+        "raises",
+        """
         class Model:
             def __init__(self, path):
                 raise RuntimeError("weights are corrupt")
-    """)
+    """,
+    )
     before = rt.settled_uss()
     _assert_refused_cleanly(rt, "raises", path, grpc.StatusCode.FAILED_PRECONDITION, "weights are corrupt")
     assert abs(rt.settled_uss() - before) < 2 * MiB
@@ -241,12 +282,15 @@ def test_model_py_without_model_class(rt):
 
 
 def test_worker_dying_during_load(rt):
-    path = rt.model_dir("dies", """
+    path = rt.model_dir(
+        "dies",
+        """
         import os
         class Model:
             def __init__(self, path):
                 os._exit(3)
-    """)
+    """,
+    )
     _assert_refused_cleanly(rt, "dies", path, grpc.StatusCode.FAILED_PRECONDITION, "exit code 3")
 
 
@@ -291,11 +335,13 @@ def test_predict_model_size_from_files(rt):
     with open(os.path.join(path, "weights.bin"), "wb") as f:
         f.write(b"\0" * 40 * MiB)
     key = json.dumps({"model_type": {"name": "python"}})
-    answer = rt.mesh.predictModelSize(mm.PredictModelSizeRequest(modelId="sized", modelPath=path, modelKey=key),
-                                      timeout=0.5)  # model-mesh's deadline
+    answer = rt.mesh.predictModelSize(
+        mm.PredictModelSizeRequest(modelId="sized", modelPath=path, modelKey=key), timeout=0.5
+    )  # model-mesh's deadline
     assert int(40 * MiB * 1.25) <= answer.sizeInBytes < 51 * MiB
-    small = rt.mesh.predictModelSize(mm.PredictModelSizeRequest(modelId="tiny", modelPath=rt.model_dir("tiny"),
-                                                                modelKey=key), timeout=0.5)
+    small = rt.mesh.predictModelSize(
+        mm.PredictModelSizeRequest(modelId="tiny", modelPath=rt.model_dir("tiny"), modelKey=key), timeout=0.5
+    )
     assert small.sizeInBytes >= 8 * MiB  # the format's floor, never 0
     assert rt.model_workers() == 0
 
@@ -381,8 +427,10 @@ def test_load_unload_load_in_quick_succession_ends_loaded(rt):
         except grpc.RpcError as error:
             results.append(error.code())
 
-    threads = [threading.Thread(target=call, args=(lambda: rt.load("flip", path),)),
-               threading.Thread(target=call, args=(lambda: rt.unload("flip"),))]
+    threads = [
+        threading.Thread(target=call, args=(lambda: rt.load("flip", path),)),
+        threading.Thread(target=call, args=(lambda: rt.unload("flip"),)),
+    ]
     for thread in threads:
         thread.start()
         time.sleep(0.002)

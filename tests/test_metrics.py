@@ -1,4 +1,5 @@
 """runtime/metrics.py: inference calls are tallied per model and method, and scraped as Prometheus samples."""
+
 from prometheus_client import generate_latest
 
 from runtime.metrics import LATENCY_BUCKETS, Metrics
@@ -6,8 +7,11 @@ from runtime.metrics import LATENCY_BUCKETS, Metrics
 
 def samples(metrics: Metrics) -> dict[str, float]:
     text = generate_latest(metrics.registry).decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_calls_become_counts_by_code_and_a_cumulative_histogram():
@@ -24,8 +28,8 @@ def test_calls_become_counts_by_code_and_a_cumulative_histogram():
     assert got[f'mesh_request_seconds_bucket{{le="0.005",{labels}}}'] == 4
     assert got[f'mesh_request_seconds_bucket{{le="30.0",{labels}}}'] == 4
     assert got[f'mesh_request_seconds_bucket{{le="+Inf",{labels}}}'] == 5
-    assert got[f'mesh_request_seconds_count{{{labels}}}'] == 5
-    assert abs(got[f'mesh_request_seconds_sum{{{labels}}}'] - 100.0038) < 1e-9
+    assert got[f"mesh_request_seconds_count{{{labels}}}"] == 5
+    assert abs(got[f"mesh_request_seconds_sum{{{labels}}}"] - 100.0038) < 1e-9
 
 
 def test_forgetting_a_model_removes_its_series_only():

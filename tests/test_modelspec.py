@@ -1,4 +1,5 @@
 """Load-request checks in the front, without a runtime: format table, missing frameworks, sizes."""
+
 import dataclasses
 import json
 
@@ -13,12 +14,15 @@ from workers import formats
 def settings(tmp_path):
     (tmp_path / "models").mkdir()
     (tmp_path / "pvc").mkdir()
-    return Settings.from_env({"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")})
+    return Settings.from_env(
+        {"ROOT_MODEL_DIR": str(tmp_path / "models"), "PVC_MOUNTS_DIR": str(tmp_path / "pvc")}
+    )
 
 
 def model_folder(settings, name, files):
     folder = f"{settings.root_model_dir}/{name}"
     import os
+
     os.makedirs(folder)
     for file_name, size in files.items():
         with open(f"{folder}/{file_name}", "wb") as f:
@@ -27,12 +31,23 @@ def model_folder(settings, name, files):
 
 
 def test_missing_framework_is_failed_precondition_naming_the_extra(settings):
-    absent = formats.Format("fancy", "workers.formats.fancy", framework="no_such_framework_xyz",
-                            extra="fancy", suffixes=(".fancy",))
+    absent = formats.Format(
+        "fancy",
+        "workers.formats.fancy",
+        framework="no_such_framework_xyz",
+        extra="fancy",
+        suffixes=(".fancy",),
+    )
     folder = model_folder(settings, "m", {"model.fancy": 10})
     with pytest.raises(status.RpcError) as error:
-        modelspec.resolve("m", "", folder, json.dumps({"model_type": {"name": "fancy"}}), settings,
-                          known_formats=(*formats.FORMATS, absent))
+        modelspec.resolve(
+            "m",
+            "",
+            folder,
+            json.dumps({"model_type": {"name": "fancy"}}),
+            settings,
+            known_formats=(*formats.FORMATS, absent),
+        )
     assert error.value.code.name == "FAILED_PRECONDITION"
     assert "pip install 'mesh-runtime[fancy]'" in error.value.message
 
@@ -51,12 +66,15 @@ def test_predicted_size_never_below_the_floor(settings):
     assert modelspec.predicted_size(spec, settings) == spec.format.size_floor > 0
 
 
-@pytest.mark.parametrize("model_type, key, expected", [
-    ("", '{"model_type": {"name": "sklearn", "version": "1"}}', "sklearn"),
-    ("", '{"model_type": "xgboost"}', "xgboost"),
-    ("mt:lightgbm:3|pv:grpc-v2", "", "lightgbm"),
-    ("rt:mesh-runtime", "", None),
-    ("mt:onnx", '{"model_type": {"name": "pytorch"}}', "pytorch"),  # the key wins over modelType
-])
+@pytest.mark.parametrize(
+    "model_type, key, expected",
+    [
+        ("", '{"model_type": {"name": "sklearn", "version": "1"}}', "sklearn"),
+        ("", '{"model_type": "xgboost"}', "xgboost"),
+        ("mt:lightgbm:3|pv:grpc-v2", "", "lightgbm"),
+        ("rt:mesh-runtime", "", None),
+        ("mt:onnx", '{"model_type": {"name": "pytorch"}}', "pytorch"),  # the key wins over modelType
+    ],
+)
 def test_format_name_sources(model_type, key, expected):
     assert modelspec.format_name_from(modelspec.parse_key(key), model_type) == expected

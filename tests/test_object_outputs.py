@@ -1,9 +1,10 @@
 """A model's object outputs end to end: text travels as BYTES, anything else fails the call as its error."""
+
 import grpc
 import numpy as np
 import pytest
-
 from harness import expect_status, mesh_headers
+
 from protos import grpc_predict_v2_pb2 as v2
 
 # Answers with the object array its input's first value picks.
@@ -52,8 +53,13 @@ def test_object_output_of_text_is_bytes(objects, raw):
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_object_output_holding_an_int_fails_internal_naming_it(objects, raw):
-    error = expect_status(grpc.StatusCode.INTERNAL, objects.infer.ModelInfer, request(1, raw),
-                          metadata=mesh_headers("objects"), timeout=30)
+    error = expect_status(
+        grpc.StatusCode.INTERNAL,
+        objects.infer.ModelInfer,
+        request(1, raw),
+        metadata=mesh_headers("objects"),
+        timeout=30,
+    )
     assert MESSAGE in error.details()
     # The model's error, not the worker's: it still serves.
     objects.infer.ModelInfer(request(0, raw), metadata=mesh_headers("objects"), timeout=30)

@@ -4,6 +4,7 @@ The contract: memory.uss and memory.pss raise psutil.NoSuchProcess for a
 process that is gone (exiting, a zombie, reaped) and psutil.AccessDenied for
 one that is not ours; everything built on them answers 0 (or skips it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +54,7 @@ def zombie() -> subprocess.Popen:
 
 # -- (a) real processes dying while we read them ------------------------------------------
 
+
 def _read_everything(pid: int, outcomes: dict) -> None:
     """Every reader on `pid` (and on our own tree); only psutil.Error may come out of uss/pss."""
     for reader in (memory.uss, memory.pss):
@@ -101,17 +103,23 @@ def test_readers_survive_processes_killed_under_them():
 
 # -- (b) each errno the kernel may answer, one at a time ----------------------------------
 
-GONE_ERRORS = [ProcessLookupError(errno.ESRCH, "No such process"),
-               FileNotFoundError(errno.ENOENT, "No such file or directory")]
+GONE_ERRORS = [
+    ProcessLookupError(errno.ESRCH, "No such process"),
+    FileNotFoundError(errno.ENOENT, "No such file or directory"),
+]
 ALL_ERRORS = [*GONE_ERRORS, PermissionError(errno.EACCES, "Permission denied")]
-EXPECTED = {ProcessLookupError: psutil.NoSuchProcess, FileNotFoundError: psutil.NoSuchProcess,
-            PermissionError: psutil.AccessDenied}
+EXPECTED = {
+    ProcessLookupError: psutil.NoSuchProcess,
+    FileNotFoundError: psutil.NoSuchProcess,
+    PermissionError: psutil.AccessDenied,
+}
 ROOT_ROLLUP = b"Rss: 400 kB\nPss: 100 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 20 kB\n"
 
 
 @pytest.fixture
 def rollup_fails(monkeypatch):
     """Makes smaps_rollup raise `error` for every pid but ours, whose rollup reads ROOT_ROLLUP."""
+
     def install(error: OSError, for_root_too: bool = False):
         def fake_open(path, *args, **kwargs):
             if isinstance(path, str) and path.endswith("/smaps_rollup"):
@@ -119,10 +127,13 @@ def rollup_fails(monkeypatch):
                     return io.BytesIO(ROOT_ROLLUP)
                 raise error
             return open(path, *args, **kwargs)
+
         monkeypatch.setattr(memory, "open", fake_open, raising=False)
         # With smaps_rollup present, psutil must never be asked instead.
-        monkeypatch.setattr(psutil.Process, "memory_full_info",
-                            lambda self: pytest.fail("psutil fallback used"))
+        monkeypatch.setattr(
+            psutil.Process, "memory_full_info", lambda self: pytest.fail("psutil fallback used")
+        )
+
     return install
 
 
@@ -190,6 +201,7 @@ def test_psutil_fallback_without_smaps_rollup(monkeypatch, child):
 
 
 # -- (c) the admin commands -----------------------------------------------------------------
+
 
 def test_workers_measure_of_vanished_pids():
     admin_workers._processes.clear()

@@ -1,4 +1,5 @@
 """Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
+
 import logging
 import os
 import signal
@@ -10,9 +11,9 @@ import time
 
 import psutil
 import pytest
-
 from harness import Runtime, alive, tree, wait_until
 from test_runtime_dir import record, start_titled
+
 from plumbing import priority, titles
 
 
@@ -194,7 +195,6 @@ def _refuse(pid, policy, param):
 def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypatch, caplog):
     from runtime import server
     from runtime.settings import Settings
-    from plumbing import priority, titles
 
     monkeypatch.setattr(os, "sched_setscheduler", _refuse)
     assert priority.schedule_as_batch_work() is False
@@ -207,7 +207,6 @@ def test_batch_scheduling_refused_by_the_kernel_is_reported_not_raised(monkeypat
 
 
 def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keeps_its_policy():
-    from plumbing import priority, titles
 
     policies = {}
 
@@ -245,8 +244,9 @@ def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone(runti
         worker = first.worker_for("first")
         env = {"RUNTIME_DIR": first.env["RUNTIME_DIR"]} if runtime_dir == "the first front's" else {}
         code, log = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), **env))
-        expected = (f"is in use by another front (pid {first.pid})" if env
-                    else f"cannot listen on port {first.port}")
+        expected = (
+            f"is in use by another front (pid {first.pid})" if env else f"cannot listen on port {first.port}"
+        )
         assert code == 2 and expected in log
         assert worker.is_running() and os.path.isdir(first.env["RUNTIME_DIR"])
         assert first.infer_fp32("first", [1.0]).outputs

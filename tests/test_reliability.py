@@ -1,4 +1,5 @@
 """Failure behaviour: crashes heal, crash loops drop, hung and greedy workers die, shutdown drains."""
+
 import concurrent.futures
 import os
 import signal
@@ -7,10 +8,10 @@ import time
 
 import grpc
 import pytest
-
 from harness import MiB, Runtime, alive, expect_status, tree, wait_until
-from runtime.replicas import PIPELINE_DEPTH
+
 from protos import grpc_predict_v2_pb2 as v2
+from runtime.replicas import PIPELINE_DEPTH
 
 # Misbehaves on request: "segv" segfaults, "sleep" sleeps 30 s, "nap" 3 s, "freeze" starts
 # a thread that holds the GIL forever (a catastrophic regex), "grow" allocates
@@ -50,8 +51,12 @@ def ask(runtime, model_id, trouble=None, timeout=30):
 
 @pytest.fixture(scope="module")
 def guarded():
-    with Runtime(WORKER_REQUEST_TIMEOUT_MS="2000", WORKER_HEARTBEAT_TIMEOUT_MS="1500",
-                 WORKER_MEMORY_LIMIT_BYTES=str(150 * MiB), MODEL_CRASH_LIMIT="3") as runtime:
+    with Runtime(
+        WORKER_REQUEST_TIMEOUT_MS="2000",
+        WORKER_HEARTBEAT_TIMEOUT_MS="1500",
+        WORKER_MEMORY_LIMIT_BYTES=str(150 * MiB),
+        MODEL_CRASH_LIMIT="3",
+    ) as runtime:
         yield runtime
 
 
@@ -92,8 +97,11 @@ def test_sigkill_under_traffic_fails_fast_and_heals(guarded, trouble):
     time.sleep(0.5)
     killed_at = time.monotonic()
     victim.kill()
-    wait_until(lambda: (w := guarded.worker_for("victim")) is not None and w.pid != victim.pid,
-               timeout=30, what="a new worker for the victim")
+    wait_until(
+        lambda: (w := guarded.worker_for("victim")) is not None and w.pid != victim.pid,
+        timeout=30,
+        what="a new worker for the victim",
+    )
     healed_after = time.monotonic() - killed_at
     time.sleep(0.5)
     stop.set()
@@ -153,6 +161,7 @@ def test_oom_killer_prefers_workers_over_the_front(guarded, trouble):
     def score(pid):
         with open(f"/proc/{pid}/oom_score_adj") as adj:
             return int(adj.read())
+
     assert score(worker.pid) == 800
     assert score(guarded.pid) < score(worker.pid)
 
@@ -166,7 +175,11 @@ def test_workers_open_no_tcp_port(guarded, trouble):
 @pytest.mark.slow  # drains calls of 2 s each, then waits for the whole tree to end
 def test_sigterm_lets_calls_under_way_finish():
     runtime = Runtime().start()
-    runtime.load("slow", runtime.model_dir("slow", """
+    runtime.load(
+        "slow",
+        runtime.model_dir(
+            "slow",
+            """
         import time
         class Model:
             def __init__(self, path):
@@ -174,7 +187,9 @@ def test_sigterm_lets_calls_under_way_finish():
             def predict(self, inputs):
                 time.sleep(2)
                 return inputs
-    """))
+    """,
+        ),
+    )
     processes = tree(runtime.pid)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         calls = [pool.submit(ask, runtime, "slow", None, 30) for _ in range(4)]
@@ -257,12 +272,15 @@ def test_worker_dying_right_after_its_load_reply_never_leaves_a_dead_model():
                 try:
                     ask(runtime, "racer", timeout=10)
                 except grpc.RpcError as error:
-                    assert error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE), error.code()
+                    assert error.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE), (
+                        error.code()
+                    )
             runtime.unload("racer")
 
 
 def test_second_load_of_a_loading_model_answers_cancelled_when_unloaded():
     from test_management import GATED_MODEL
+
     with Runtime() as runtime:
         path = runtime.model_dir("twice", GATED_MODEL)
         first, second = runtime.load_future("twice", path), runtime.load_future("twice", path)

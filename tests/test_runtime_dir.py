@@ -3,6 +3,7 @@
 Unit tests of runtime/rundir.py and runtime/leftovers.py, then real fronts
 (tests/harness.Runtime) for what only the whole start order shows.
 """
+
 import asyncio
 import logging
 import os
@@ -16,11 +17,11 @@ import time
 
 import psutil
 import pytest
-
 from harness import Runtime, alive, tree, wait_until
+
+from plumbing import titles
 from runtime import rundir
 from runtime.leftovers import ProcessRegistry
-from plumbing import titles
 
 STRANGER_UID = 65534  # nobody
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start or own things as another uid")
@@ -40,13 +41,16 @@ def start_strangers_titled(title: str) -> subprocess.Popen:
     if shutil.which("perl") is None:
         pytest.skip("needs perl to title a process of another uid")
     code = f"$0 = '{title}'; sleep 120"
-    return _wait_titled(subprocess.Popen(["perl", "-e", code], user=STRANGER_UID, group=STRANGER_UID,
-                                         extra_groups=[]), title)
+    return _wait_titled(
+        subprocess.Popen(["perl", "-e", code], user=STRANGER_UID, group=STRANGER_UID, extra_groups=[]), title
+    )
 
 
 def _wait_titled(child: subprocess.Popen, title: str) -> subprocess.Popen:
     def titled() -> bool:
-        return child.poll() is not None or " ".join(p for p in psutil.Process(child.pid).cmdline() if p) == title
+        return (
+            child.poll() is not None or " ".join(p for p in psutil.Process(child.pid).cmdline() if p) == title
+        )
 
     wait_until(titled, what="the child's title")
     assert child.poll() is None, "the titled child exited"
@@ -54,7 +58,9 @@ def _wait_titled(child: subprocess.Popen, title: str) -> subprocess.Popen:
 
 
 def start_sleeper(user: int | None = None) -> subprocess.Popen:
-    return subprocess.Popen(["sleep", "120"], user=user, group=user, extra_groups=[] if user is not None else None)
+    return subprocess.Popen(
+        ["sleep", "120"], user=user, group=user, extra_groups=[] if user is not None else None
+    )
 
 
 def record(runtime_dir: str, *children: subprocess.Popen) -> None:
@@ -72,8 +78,11 @@ def end(*children: subprocess.Popen) -> None:
 
 
 def listing(folder: str) -> set[str]:
-    return {os.path.relpath(os.path.join(top, name), folder)
-            for top, folders, files in os.walk(folder) for name in folders + files}
+    return {
+        os.path.relpath(os.path.join(top, name), folder)
+        for top, folders, files in os.walk(folder)
+        for name in folders + files
+    }
 
 
 def private_folder_with_our_records(path: str) -> None:
@@ -132,7 +141,8 @@ def test_a_folder_of_another_uid_is_refused(run_dir):
 
 
 def test_a_folder_others_could_write_to_is_emptied_without_following_symlinks_and_made_0700(
-        tmp_path, run_dir, caplog):
+    tmp_path, run_dir, caplog
+):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "precious").write_text("x")
@@ -185,12 +195,19 @@ def _plant_strangers_folder(run_dir, elsewhere):
     return f"stacks belongs to uid {STRANGER_UID}"
 
 
-@pytest.mark.parametrize("plant", [
-    _plant_symlink, _plant_writable_file, _plant_writable_folder,
-    pytest.param(_plant_strangers_file, marks=needs_root), pytest.param(_plant_strangers_folder, marks=needs_root),
-])
+@pytest.mark.parametrize(
+    "plant",
+    [
+        _plant_symlink,
+        _plant_writable_file,
+        _plant_writable_folder,
+        pytest.param(_plant_strangers_file, marks=needs_root),
+        pytest.param(_plant_strangers_folder, marks=needs_root),
+    ],
+)
 def test_a_private_folder_holding_anything_untrusted_is_emptied_and_the_log_names_it(
-        plant, tmp_path, run_dir, caplog):
+    plant, tmp_path, run_dir, caplog
+):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "precious").write_text("x")
@@ -226,7 +243,9 @@ def test_a_title_names_its_runtime_dir_last_so_a_model_id_cannot_claim_another()
     assert not titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a"], "/run/b")
     assert not titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/ab"], "/run/a")
     assert not titles.is_runtime_process_of([titles.title("worker model=m dir=/run/b", "/run/a")], "/run/b")
-    assert not titles.is_runtime_process_of(["python", "-c", "mesh-runtime worker spare dir=/run/a"], "/run/a")
+    assert not titles.is_runtime_process_of(
+        ["python", "-c", "mesh-runtime worker spare dir=/run/a"], "/run/a"
+    )
     assert not titles.is_runtime_process_of(["mesh-runtime worker spare"], "")
 
 
@@ -252,10 +271,14 @@ def test_purge_kills_a_recorded_mesh_runtime_process_of_this_runtime_dir(run_dir
 
 @pytest.mark.parametrize("kind", ["no mesh-runtime title", "title of another folder"])
 def test_purge_leaves_a_recorded_process_of_ours_that_is_not_a_mesh_runtime_process_of_this_dir(
-        kind, run_dir, caplog):
+    kind, run_dir, caplog
+):
     os.makedirs(run_dir, mode=0o700)
-    child = start_sleeper() if kind == "no mesh-runtime title" else start_titled(
-        titles.title("worker spare", run_dir + "-other"))
+    child = (
+        start_sleeper()
+        if kind == "no mesh-runtime title"
+        else start_titled(titles.title("worker spare", run_dir + "-other"))
+    )
     try:
         record(run_dir, child)
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
@@ -276,8 +299,10 @@ def test_purge_leaves_a_recorded_process_of_another_uid_even_with_our_title(run_
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
             assert ProcessRegistry(run_dir).purge() == []
         assert stranger.poll() is None
-        assert f"leaving pid {stranger.pid} alone: it runs as uid {STRANGER_UID}, not as the runtime's uid 0" \
+        assert (
+            f"leaving pid {stranger.pid} alone: it runs as uid {STRANGER_UID}, not as the runtime's uid 0"
             in caplog.text
+        )
     finally:
         end(stranger)
 
@@ -394,7 +419,8 @@ def stop_signal_handlers():
 
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_a_stop_signal_before_the_loop_listens_stops_it_and_after_the_loop_is_ignored(
-        event_loop, stop_signal_handlers):
+    event_loop, stop_signal_handlers
+):
     from runtime import server
 
     stop_signals = server.StopSignals()
@@ -450,12 +476,17 @@ def test_any_number_of_sigints_end_in_a_clean_exit_0_with_every_process_reaped(e
             rt.load("m", rt.model_dir("m"))
         else:  # from the moment the front has titled itself, before it listens
             rt.start(wait_ready=False)
-            wait_until(lambda: "mesh-runtime front" in " ".join(psutil.Process(rt.pid).cmdline()),
-                       what="the front's title")
+            wait_until(
+                lambda: "mesh-runtime front" in " ".join(psutil.Process(rt.pid).cmdline()),
+                what="the front's title",
+            )
         processes = tree(rt.pid)
         assert _sigint_until_it_exits(rt) == 0, rt.log()
-        wait_until(lambda: not alive(processes) and not processes_of(rt.env["RUNTIME_DIR"]), timeout=10,
-                   what="every process of the front to end")
+        wait_until(
+            lambda: not alive(processes) and not processes_of(rt.env["RUNTIME_DIR"]),
+            timeout=10,
+            what="every process of the front to end",
+        )
         assert "stopped; every worker reaped" in rt.log()
         assert not os.path.exists(rt.env["RUNTIME_DIR"])
     finally:

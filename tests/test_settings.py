@@ -1,11 +1,12 @@
 """Configuration: typed, validated at start, one-line errors, --help and README in step."""
+
 import os
 import subprocess
 import sys
 
 import pytest
-
 from harness import REPO
+
 from runtime import settings as config
 
 
@@ -28,9 +29,15 @@ def test_defaults_match_the_design():
 
 
 def test_values_are_typed():
-    s = config.Settings.from_env({"RUNTIME_PORT": "9000", "MODELSIZE_MULTIPLIER": "2.5",
-                                  "WORKER_PRELOAD": "numpy, json", "LOG_FORMAT": "JSON",
-                                  "CONTAINER_MEM_REQ_BYTES": "1_000_000_000"})
+    s = config.Settings.from_env(
+        {
+            "RUNTIME_PORT": "9000",
+            "MODELSIZE_MULTIPLIER": "2.5",
+            "WORKER_PRELOAD": "numpy, json",
+            "LOG_FORMAT": "JSON",
+            "CONTAINER_MEM_REQ_BYTES": "1_000_000_000",
+        }
+    )
     assert s.runtime_port == 9000
     assert s.modelsize_multiplier == 2.5
     assert s.worker_preload == ("numpy", "json")
@@ -39,19 +46,22 @@ def test_values_are_typed():
     assert s.runtime_dir.endswith("-9000")
 
 
-@pytest.mark.parametrize("name, value, words", [
-    ("RUNTIME_PORT", "eighty", "whole number"),
-    ("RUNTIME_PORT", "8090", "reserved"),
-    ("RUNTIME_PORT", "70000", "TCP port"),
-    ("LOADTIME_TIMEOUT", "50", "at least 100"),
-    ("MAX_LOADING_CONCURRENCY", "0", "at least 1"),
-    ("MODELSIZE_MULTIPLIER", "0", "greater than 0"),
-    ("ROOT_MODEL_DIR", "models", "absolute path"),
-    ("LOG_LEVEL", "loud", "one of"),
-    ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
-    ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
-    ("FRONT_BYTES_MAX", "1000", "at least GRPC_MAX_MESSAGE_BYTES"),
-])
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("RUNTIME_PORT", "eighty", "whole number"),
+        ("RUNTIME_PORT", "8090", "reserved"),
+        ("RUNTIME_PORT", "70000", "TCP port"),
+        ("LOADTIME_TIMEOUT", "50", "at least 100"),
+        ("MAX_LOADING_CONCURRENCY", "0", "at least 1"),
+        ("MODELSIZE_MULTIPLIER", "0", "greater than 0"),
+        ("ROOT_MODEL_DIR", "models", "absolute path"),
+        ("LOG_LEVEL", "loud", "one of"),
+        ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
+        ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
+        ("FRONT_BYTES_MAX", "1000", "at least GRPC_MAX_MESSAGE_BYTES"),
+    ],
+)
 def test_bad_value_names_the_variable(name, value, words):
     with pytest.raises(config.SettingsError) as error:
         config.Settings.from_env({name: value})
@@ -61,30 +71,42 @@ def test_bad_value_names_the_variable(name, value, words):
 
 def test_bad_value_stops_the_runtime_with_one_line():
     env = {**os.environ, "MAX_LOADING_CONCURRENCY": "none"}
-    done = subprocess.run([sys.executable, "-m", "runtime"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "mesh-runtime: MAX_LOADING_CONCURRENCY: expected a whole number, got 'none'"]
+        "mesh-runtime: MAX_LOADING_CONCURRENCY: expected a whole number, got 'none'"
+    ]
 
 
 def test_help_lists_every_variable():
-    done = subprocess.run([sys.executable, "-m", "runtime", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     for var in config.VARIABLES:
         assert var.name in done.stdout
 
 
 def test_readme_table_is_generated_from_settings():
     with open(os.path.join(REPO, "README.md")) as readme:
-        assert config.markdown_table() in readme.read(), \
+        assert config.markdown_table() in readme.read(), (
             "README's environment table is out of date: paste runtime.settings.markdown_table()"
+        )
 
 
 def test_uvloop_chosen_but_not_installed_names_the_way_out_and_the_default_falls_back(monkeypatch):
     real_find_spec = config.importlib.util.find_spec
-    monkeypatch.setattr(config.importlib.util, "find_spec",
-                        lambda name, *rest: None if name == "uvloop" else real_find_spec(name, *rest))
+    monkeypatch.setattr(
+        config.importlib.util,
+        "find_spec",
+        lambda name, *rest: None if name == "uvloop" else real_find_spec(name, *rest),
+    )
     with pytest.raises(config.SettingsError) as error:
         config.Settings.from_env({"EVENT_LOOP": "uvloop"})
     assert str(error.value).startswith("EVENT_LOOP: ") and "EVENT_LOOP=asyncio" in str(error.value)
@@ -96,7 +118,9 @@ def test_uvloop_is_the_default_where_installed():
 
 
 def test_byte_budgets_follow_the_message_limit_and_the_container():
-    s = config.Settings.from_env({"GRPC_MAX_MESSAGE_BYTES": str(8 * 2**20), "CONTAINER_MEM_REQ_BYTES": str(2**30)})
+    s = config.Settings.from_env(
+        {"GRPC_MAX_MESSAGE_BYTES": str(8 * 2**20), "CONTAINER_MEM_REQ_BYTES": str(2**30)}
+    )
     assert s.model_bytes_max == 32 * 2**20
     assert s.front_bytes_max == 2**30 // 16
     small_pod = config.Settings.from_env({"CONTAINER_MEM_REQ_BYTES": str(64 * 2**20)})
@@ -105,4 +129,5 @@ def test_byte_budgets_follow_the_message_limit_and_the_container():
 
 def test_the_typed_fields_are_exactly_the_variables_in_order():
     import dataclasses
+
     assert [f.name for f in dataclasses.fields(config.Settings)] == [v.field for v in config.VARIABLES]

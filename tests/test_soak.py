@@ -1,10 +1,10 @@
 """Soak: 1,000 load/infer/unload cycles beside steady traffic; the front must stay flat."""
+
 import threading
 import time
 
 import psutil
 import pytest
-
 from harness import MiB, Runtime, alive, tree, wait_until
 
 CYCLES = 1000
@@ -12,10 +12,17 @@ CYCLES = 1000
 
 def front_figures(runtime):
     front = psutil.Process(runtime.pid)
-    wait_until(lambda: len(alive(runtime.spares())) == 1 and runtime.model_workers() == 1,
-               timeout=15, what="the pool to settle")
-    return {"rss_mib": front.memory_info().rss / MiB, "fds": front.num_fds(),
-            "threads": front.num_threads(), "processes": len(alive(tree(runtime.pid)))}
+    wait_until(
+        lambda: len(alive(runtime.spares())) == 1 and runtime.model_workers() == 1,
+        timeout=15,
+        what="the pool to settle",
+    )
+    return {
+        "rss_mib": front.memory_info().rss / MiB,
+        "fds": front.num_fds(),
+        "threads": front.num_threads(),
+        "processes": len(alive(tree(runtime.pid))),
+    }
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """workers/v2.py: KServe V2 ModelInferRequest <-> numpy, without a runtime."""
+
 from __future__ import annotations
 
 import struct
@@ -49,7 +50,7 @@ def parse_raw_bytes_elements(data: bytes) -> list[bytes]:
     elements, offset = [], 0
     while offset < len(data):
         (length,) = struct.unpack_from("<I", data, offset)
-        elements.append(data[offset + 4:offset + 4 + length])
+        elements.append(data[offset + 4 : offset + 4 + length])
         offset += 4 + length
     return elements
 
@@ -123,8 +124,8 @@ TYPED_CASES = [
     ("UINT64", [0, 2**64 - 1, 1, 2**40], np.uint64),
     ("INT8", [-128, 127, 0, -1], np.int8),
     ("INT16", [-32768, 32767, 0, -1], np.int16),
-    ("INT32", [-2**31, 2**31 - 1, 0, -1], np.int32),
-    ("INT64", [-2**63, 2**63 - 1, 0, -1], np.int64),
+    ("INT32", [-(2**31), 2**31 - 1, 0, -1], np.int32),
+    ("INT64", [-(2**63), 2**63 - 1, 0, -1], np.int64),
     ("FP32", [0.5, -1.25, 2.0**100, 0.0], np.float32),
     ("FP64", [0.1, -1e300, 5e-324, 0.0], np.float64),
     ("BYTES", [b"abc", b"", b"\x00\xff", "ü".encode()], object),
@@ -144,14 +145,16 @@ def test_typed_contents_decode_to_dtype_shape_and_values(datatype, values, dtype
 
 
 def test_typed_scalar_and_empty_shapes():
-    request = typed_request(("scalar", "INT32", [], "int_contents", [7]),
-                            ("empty", "FP32", [0, 3], "fp32_contents", []))
+    request = typed_request(
+        ("scalar", "INT32", [], "int_contents", [7]), ("empty", "FP32", [0, 3], "fp32_contents", [])
+    )
     inputs, _, _ = v2.decode_request(request)
     assert inputs["scalar"].shape == () and inputs["scalar"].item() == 7
     assert inputs["empty"].shape == (0, 3) and inputs["empty"].dtype == np.float32
 
 
 # --- decoding raw_input_contents ----------------------------------------------
+
 
 def _numeric_sample(dtype: np.dtype) -> np.ndarray:
     if dtype == np.bool_:
@@ -212,40 +215,84 @@ def test_raw_inputs_keep_their_order_and_names():
 # --- request errors -----------------------------------------------------------
 
 ERROR_CASES = [
-    pytest.param(typed_request(("x", "FP8", [1], "fp32_contents", [1.0])),
-                 ("'x'", "unknown datatype", "FP8"), id="unknown-datatype-typed"),
-    pytest.param(raw_request(("x", "COMPLEX64", [1], b"\0" * 8)),
-                 ("'x'", "unknown datatype", "COMPLEX64"), id="unknown-datatype-raw"),
-    pytest.param(typed_request(("x", "INT32", [2, 3], "int_contents", [1, 2, 3, 4, 5])),
-                 ("'x'", "needs 6 values", "got 5"), id="shape-contents-mismatch"),
-    pytest.param(typed_request(("x", "INT32", [2], "fp32_contents", [1.0, 2.0])),
-                 ("'x'", "int_contents", "got 0"), id="contents-in-wrong-field"),
-    pytest.param(raw_request(("x", "FP32", [3], b"\0" * 8)),
-                 ("'x'", "12 bytes", "has 8"), id="raw-length-mismatch"),
-    pytest.param(raw_request(("x", "FP16", [2], b"\0" * 5)),
-                 ("'x'", "4 bytes", "has 5"), id="raw-fp16-length-mismatch"),
-    pytest.param(pb.ModelInferRequest(inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="INT8", shape=[1]),
-                                              pb.ModelInferRequest.InferInputTensor(name="y", datatype="INT8", shape=[1])],
-                                      raw_input_contents=[b"\x01"]),
-                 ("raw_input_contents", "1 entries", "2 inputs"), id="raw-count-below-inputs"),
-    pytest.param(pb.ModelInferRequest(inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="INT8", shape=[1])],
-                                      raw_input_contents=[b"\x01", b"\x02"]),
-                 ("raw_input_contents", "2 entries", "1 inputs"), id="raw-count-above-inputs"),
-    pytest.param(typed_request(("x", "INT32", [1], "int_contents", [1]),
-                               ("x", "INT32", [1], "int_contents", [2])),
-                 ("'x'", "twice"), id="duplicate-name"),
-    pytest.param(typed_request(("x", "INT32", [2, -1], "int_contents", [1, 2])),
-                 ("'x'", "negative"), id="negative-dimension"),
-    pytest.param(raw_request(("x", "BYTES", [1], b"\x03\x00")),
-                 ("'x'", "cut short"), id="raw-bytes-truncated-header"),
-    pytest.param(raw_request(("x", "BYTES", [1], b"\x05\x00\x00\x00ab")),
-                 ("'x'", "past the end"), id="raw-bytes-truncated-element"),
-    pytest.param(raw_request(("x", "BYTES", [3], raw_bytes_elements([b"a", b"b"]))),
-                 ("'x'", "3 BYTES elements", "2"), id="raw-bytes-element-count"),
-    pytest.param(typed_request(("x", "FP16", [1], "fp32_contents", [1.0])),
-                 ("'x'", "FP16", "raw_input_contents"), id="fp16-typed"),
-    pytest.param(typed_request(("x", "BF16", [1], "fp32_contents", [1.0])),
-                 ("'x'", "BF16", "raw_input_contents"), id="bf16-typed"),
+    pytest.param(
+        typed_request(("x", "FP8", [1], "fp32_contents", [1.0])),
+        ("'x'", "unknown datatype", "FP8"),
+        id="unknown-datatype-typed",
+    ),
+    pytest.param(
+        raw_request(("x", "COMPLEX64", [1], b"\0" * 8)),
+        ("'x'", "unknown datatype", "COMPLEX64"),
+        id="unknown-datatype-raw",
+    ),
+    pytest.param(
+        typed_request(("x", "INT32", [2, 3], "int_contents", [1, 2, 3, 4, 5])),
+        ("'x'", "needs 6 values", "got 5"),
+        id="shape-contents-mismatch",
+    ),
+    pytest.param(
+        typed_request(("x", "INT32", [2], "fp32_contents", [1.0, 2.0])),
+        ("'x'", "int_contents", "got 0"),
+        id="contents-in-wrong-field",
+    ),
+    pytest.param(
+        raw_request(("x", "FP32", [3], b"\0" * 8)), ("'x'", "12 bytes", "has 8"), id="raw-length-mismatch"
+    ),
+    pytest.param(
+        raw_request(("x", "FP16", [2], b"\0" * 5)), ("'x'", "4 bytes", "has 5"), id="raw-fp16-length-mismatch"
+    ),
+    pytest.param(
+        pb.ModelInferRequest(
+            inputs=[
+                pb.ModelInferRequest.InferInputTensor(name="x", datatype="INT8", shape=[1]),
+                pb.ModelInferRequest.InferInputTensor(name="y", datatype="INT8", shape=[1]),
+            ],
+            raw_input_contents=[b"\x01"],
+        ),
+        ("raw_input_contents", "1 entries", "2 inputs"),
+        id="raw-count-below-inputs",
+    ),
+    pytest.param(
+        pb.ModelInferRequest(
+            inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="INT8", shape=[1])],
+            raw_input_contents=[b"\x01", b"\x02"],
+        ),
+        ("raw_input_contents", "2 entries", "1 inputs"),
+        id="raw-count-above-inputs",
+    ),
+    pytest.param(
+        typed_request(("x", "INT32", [1], "int_contents", [1]), ("x", "INT32", [1], "int_contents", [2])),
+        ("'x'", "twice"),
+        id="duplicate-name",
+    ),
+    pytest.param(
+        typed_request(("x", "INT32", [2, -1], "int_contents", [1, 2])),
+        ("'x'", "negative"),
+        id="negative-dimension",
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [1], b"\x03\x00")), ("'x'", "cut short"), id="raw-bytes-truncated-header"
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [1], b"\x05\x00\x00\x00ab")),
+        ("'x'", "past the end"),
+        id="raw-bytes-truncated-element",
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [3], raw_bytes_elements([b"a", b"b"]))),
+        ("'x'", "3 BYTES elements", "2"),
+        id="raw-bytes-element-count",
+    ),
+    pytest.param(
+        typed_request(("x", "FP16", [1], "fp32_contents", [1.0])),
+        ("'x'", "FP16", "raw_input_contents"),
+        id="fp16-typed",
+    ),
+    pytest.param(
+        typed_request(("x", "BF16", [1], "fp32_contents", [1.0])),
+        ("'x'", "BF16", "raw_input_contents"),
+        id="bf16-typed",
+    ),
 ]
 
 
@@ -256,16 +303,29 @@ def test_invalid_requests_raise_invalid_input_naming_the_problem(request_, fragm
 
 HUGE_SHAPE_CASES = [
     pytest.param(raw_request(("x", "FP32", [10**6, 10**6], b"\0" * 4)), ("'x'", "bytes"), id="raw-fp32"),
-    pytest.param(raw_request(("x", "BYTES", [10**6, 10**6], raw_bytes_elements([b"a"]))), ("'x'", "BYTES"),
-                 id="raw-bytes"),
-    pytest.param(typed_request(("x", "INT64", [10**6, 10**6], "int64_contents", [1])), ("'x'", "values"),
-                 id="typed-int64"),
-    pytest.param(typed_request(("x", "BYTES", [10**6, 10**6], "bytes_contents", [b"a"])), ("'x'", "values"),
-                 id="typed-bytes"),
-    pytest.param(raw_request(("x", "UINT8", [2**21, 2**20], b"\0")), ("'x'", "more than"),
-                 id="over-max-elements"),
-    pytest.param(raw_request(("x", "UINT8", [2**62, 2**62, 2**62], b"\0")), ("'x'", "more than"),
-                 id="product-past-int64"),
+    pytest.param(
+        raw_request(("x", "BYTES", [10**6, 10**6], raw_bytes_elements([b"a"]))),
+        ("'x'", "BYTES"),
+        id="raw-bytes",
+    ),
+    pytest.param(
+        typed_request(("x", "INT64", [10**6, 10**6], "int64_contents", [1])),
+        ("'x'", "values"),
+        id="typed-int64",
+    ),
+    pytest.param(
+        typed_request(("x", "BYTES", [10**6, 10**6], "bytes_contents", [b"a"])),
+        ("'x'", "values"),
+        id="typed-bytes",
+    ),
+    pytest.param(
+        raw_request(("x", "UINT8", [2**21, 2**20], b"\0")), ("'x'", "more than"), id="over-max-elements"
+    ),
+    pytest.param(
+        raw_request(("x", "UINT8", [2**62, 2**62, 2**62], b"\0")),
+        ("'x'", "more than"),
+        id="product-past-int64",
+    ),
 ]
 
 
@@ -280,18 +340,22 @@ def test_huge_shape_with_tiny_data_fails_without_allocating(request_, fragments)
     assert peak < 1 << 20
 
 
-@pytest.mark.parametrize("datatype, field, value", [
-    pytest.param("INT8", "int_contents", 300, id="INT8-300"),
-    pytest.param("INT8", "int_contents", -129, id="INT8--129"),
-    pytest.param("UINT8", "uint_contents", 256, id="UINT8-256"),
-    pytest.param("INT16", "int_contents", 40000, id="INT16-40000"),
-    pytest.param("UINT16", "uint_contents", 70000, id="UINT16-70000"),
-])
+@pytest.mark.parametrize(
+    "datatype, field, value",
+    [
+        pytest.param("INT8", "int_contents", 300, id="INT8-300"),
+        pytest.param("INT8", "int_contents", -129, id="INT8--129"),
+        pytest.param("UINT8", "uint_contents", 256, id="UINT8-256"),
+        pytest.param("INT16", "int_contents", 40000, id="INT16-40000"),
+        pytest.param("UINT16", "uint_contents", 70000, id="UINT16-70000"),
+    ],
+)
 def test_typed_value_out_of_range_is_invalid_input(datatype, field, value):
     assert_invalid_input(typed_request(("x", datatype, [2], field, [1, value])), "'x'", datatype)
 
 
 # --- parameters -----------------------------------------------------------------
+
 
 def test_request_parameters_decode_to_plain_python_values():
     request = typed_request(("x", "INT32", [1], "int_contents", [1]))
@@ -314,9 +378,17 @@ def test_no_parameters_decode_to_empty_dict():
 # --- encode_response ------------------------------------------------------------
 
 NUMERIC_OUTPUTS = [
-    (np.bool_, "BOOL"), (np.uint8, "UINT8"), (np.uint16, "UINT16"), (np.uint32, "UINT32"),
-    (np.uint64, "UINT64"), (np.int8, "INT8"), (np.int16, "INT16"), (np.int32, "INT32"),
-    (np.int64, "INT64"), (np.float32, "FP32"), (np.float64, "FP64"),
+    (np.bool_, "BOOL"),
+    (np.uint8, "UINT8"),
+    (np.uint16, "UINT16"),
+    (np.uint32, "UINT32"),
+    (np.uint64, "UINT64"),
+    (np.int8, "INT8"),
+    (np.int16, "INT16"),
+    (np.int32, "INT32"),
+    (np.int64, "INT64"),
+    (np.float32, "FP32"),
+    (np.float64, "FP64"),
 ]
 
 
@@ -384,8 +456,9 @@ def test_object_output_holding_anything_but_text_is_bad_model_output(value, kind
     outputs = {"fine": np.array([1.5]), "y": value}
     with pytest.raises(v2.BadModelOutput) as caught:
         v2.encode_response(pb.ModelInferRequest(), outputs, raw)
-    assert str(caught.value) == (f"output 'y' holds {kind} at index {index}; "
-                                 f"an object output must hold bytes or str")
+    assert str(caught.value) == (
+        f"output 'y' holds {kind} at index {index}; an object output must hold bytes or str"
+    )
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
@@ -403,8 +476,12 @@ def test_bad_object_output_that_was_not_requested_is_not_checked():
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_requested_outputs_select_and_order(raw):
-    request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="c"),
-                                            pb.ModelInferRequest.InferRequestedOutputTensor(name="a")])
+    request = pb.ModelInferRequest(
+        outputs=[
+            pb.ModelInferRequest.InferRequestedOutputTensor(name="c"),
+            pb.ModelInferRequest.InferRequestedOutputTensor(name="a"),
+        ]
+    )
     outputs = {"a": np.array([1], np.int32), "b": np.array([2], np.int32), "c": np.array([3.5], np.float64)}
     response, arrays = response_arrays(v2.encode_response(request, outputs, raw))
     assert [o.name for o in response.outputs] == ["c", "a"]
@@ -436,15 +513,19 @@ def test_float16_output_forces_a_raw_response():
     assert arrays["h"].dtype == np.float16 and arrays["h"].tolist() == [0.5, -2.0]
 
 
-@pytest.mark.parametrize("value", [np.array([1 + 2j]), np.array(["2024-01-01"], dtype="datetime64[D]")],
-                         ids=["complex", "datetime64"])
+@pytest.mark.parametrize(
+    "value",
+    [np.array([1 + 2j]), np.array(["2024-01-01"], dtype="datetime64[D]")],
+    ids=["complex", "datetime64"],
+)
 def test_unsupported_output_dtype_is_bad_model_output(value):
     with pytest.raises(v2.BadModelOutput, match="'y'"):
         v2.encode_response(pb.ModelInferRequest(), {"y": value}, False)
 
 
-@pytest.mark.parametrize("outputs", [[np.array([1])], np.array([1]), None, "y"],
-                         ids=["list", "ndarray", "None", "str"])
+@pytest.mark.parametrize(
+    "outputs", [[np.array([1])], np.array([1]), None, "y"], ids=["list", "ndarray", "None", "str"]
+)
 def test_non_dict_outputs_are_bad_model_output(outputs):
     with pytest.raises(v2.BadModelOutput, match="dict"):
         v2.encode_response(pb.ModelInferRequest(), outputs, False)
@@ -473,6 +554,7 @@ def test_decoded_request_round_trips_through_encode(raw):
 
 # --- metadata_response ----------------------------------------------------------
 
+
 def test_metadata_response_from_dict():
     metadata = {
         "versions": [1, "2"],
@@ -485,8 +567,10 @@ def test_metadata_response_from_dict():
     assert list(response.versions) == ["1", "2"]
     assert response.platform == "onnx"
     assert [(t.name, t.datatype, list(t.shape)) for t in response.inputs] == [("x", "FP32", [-1, 3])]
-    assert [(t.name, t.datatype, list(t.shape)) for t in response.outputs] == [("y", "INT64", []),
-                                                                               ("z", "BYTES", [1])]
+    assert [(t.name, t.datatype, list(t.shape)) for t in response.outputs] == [
+        ("y", "INT64", []),
+        ("z", "BYTES", [1]),
+    ]
 
 
 @pytest.mark.parametrize("metadata", [None, {}], ids=["None", "empty"])

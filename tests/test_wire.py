@@ -1,4 +1,5 @@
 """runtime/wire.py: reading field 1 (the model id) from serialised requests without parsing them."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,11 +42,15 @@ def big_raw_contents() -> bytes:
 
 
 @pytest.mark.parametrize("model_id", MODEL_IDS)
-@pytest.mark.parametrize("build", [
-    infer_request,
-    lambda model_id: pb.ModelMetadataRequest(name=model_id, version="2"),
-    lambda model_id: pb.ModelReadyRequest(name=model_id, version="2"),
-], ids=["ModelInferRequest", "ModelMetadataRequest", "ModelReadyRequest"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        infer_request,
+        lambda model_id: pb.ModelMetadataRequest(name=model_id, version="2"),
+        lambda model_id: pb.ModelReadyRequest(name=model_id, version="2"),
+    ],
+    ids=["ModelInferRequest", "ModelMetadataRequest", "ModelReadyRequest"],
+)
 def test_model_name_from_serialised_request(build, model_id):
     assert wire.string_field(build(model_id).SerializeToString(), 1) == model_id
 
@@ -58,8 +63,10 @@ def test_other_string_fields_of_an_infer_request():
 
 def test_model_name_after_16_mib_of_raw_input_contents(big_raw_contents):
     model_id = "モデル-ü__isvc-1"
-    data = (pb.ModelInferRequest(raw_input_contents=[big_raw_contents]).SerializeToString()
-            + pb.ModelInferRequest(model_name=model_id).SerializeToString())
+    data = (
+        pb.ModelInferRequest(raw_input_contents=[big_raw_contents]).SerializeToString()
+        + pb.ModelInferRequest(model_name=model_id).SerializeToString()
+    )
     assert data.index(model_id.encode()) > 16 * MiB
     parsed = pb.ModelInferRequest.FromString(data)
     assert parsed.model_name == model_id and parsed.raw_input_contents[0] == big_raw_contents
@@ -68,7 +75,9 @@ def test_model_name_after_16_mib_of_raw_input_contents(big_raw_contents):
 
 def test_model_name_before_16_mib_of_raw_input_contents(big_raw_contents):
     model_id = "モデル-ü__isvc-1"
-    data = pb.ModelInferRequest(model_name=model_id, raw_input_contents=[big_raw_contents]).SerializeToString()
+    data = pb.ModelInferRequest(
+        model_name=model_id, raw_input_contents=[big_raw_contents]
+    ).SerializeToString()
     assert len(data) > 16 * MiB
     assert wire.string_field(data, 1) == model_id
 
@@ -79,11 +88,16 @@ def test_absent_field_after_16_mib_is_none(big_raw_contents):
 
 
 def test_every_skippable_wire_type_before_field_1():
-    data = (varint(9 << 3 | 0) + varint(2**63)
-            + varint(10 << 3 | 1) + b"\xff" * 8
-            + varint(11 << 3 | 5) + b"\xff" * 4
-            + length_delimited(12, b"\x0a\x03bad")
-            + length_delimited(1, "ü".encode()))
+    data = (
+        varint(9 << 3 | 0)
+        + varint(2**63)
+        + varint(10 << 3 | 1)
+        + b"\xff" * 8
+        + varint(11 << 3 | 5)
+        + b"\xff" * 4
+        + length_delimited(12, b"\x0a\x03bad")
+        + length_delimited(1, "ü".encode())
+    )
     assert wire.string_field(data, 1) == "ü"
 
 
@@ -104,13 +118,17 @@ def test_field_1_of_a_nested_message_is_not_top_level():
     assert wire.string_field(request.SerializeToString(), 1) is None
 
 
-@pytest.mark.parametrize("data", [
-    b"",
-    pb.ModelInferRequest().SerializeToString(),
-    pb.ModelInferRequest(model_name="").SerializeToString(),
-    pb.ModelInferRequest(model_version="1", id="x").SerializeToString(),
-    pb.ModelReadyRequest(version="3").SerializeToString(),
-], ids=["empty-bytes", "empty-message", "empty-name", "other-fields", "ready-without-name"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        pb.ModelInferRequest().SerializeToString(),
+        pb.ModelInferRequest(model_name="").SerializeToString(),
+        pb.ModelInferRequest(model_version="1", id="x").SerializeToString(),
+        pb.ModelReadyRequest(version="3").SerializeToString(),
+    ],
+    ids=["empty-bytes", "empty-message", "empty-name", "other-fields", "ready-without-name"],
+)
 def test_absent_field_is_none(data):
     assert wire.string_field(data, 1) is None
 
@@ -119,27 +137,30 @@ def test_empty_string_field_present_on_the_wire_is_empty_string():
     assert wire.string_field(length_delimited(1, b""), 1) == ""
 
 
-@pytest.mark.parametrize("data", [
-    pytest.param(b"\x80", id="truncated-key"),
-    pytest.param(b"\x08", id="missing-varint-value"),
-    pytest.param(b"\x08\x80\x80", id="truncated-varint-value"),
-    pytest.param(b"\x0a", id="missing-length"),
-    pytest.param(b"\x0a\x80", id="truncated-length"),
-    pytest.param(b"\x08" + b"\xff" * 10 + b"\x01", id="overlong-varint"),
-    pytest.param(b"\x0a\x05abc", id="length-past-end"),
-    pytest.param(b"\x12\x05abc", id="other-field-length-past-end"),
-    pytest.param(b"\x0a" + varint(2**62) + b"abc", id="huge-length"),
-    pytest.param(b"\x11\x00\x00\x00\x00", id="truncated-fixed64"),
-    pytest.param(b"\x15\x00\x00", id="truncated-fixed32"),
-    pytest.param(b"\x0a\x02\xff\xfe", id="invalid-utf8"),
-    pytest.param(b"\x0a\x02\xc3", id="truncated-utf8-sequence"),
-    pytest.param(length_delimited(1, b"\xed\xa0\x80"), id="utf8-surrogate"),
-    pytest.param(b"\x0b", id="wire-type-3"),
-    pytest.param(b"\x0c", id="wire-type-4"),
-    pytest.param(b"\x0e", id="wire-type-6"),
-    pytest.param(b"\x0f", id="wire-type-7"),
-    pytest.param(length_delimited(2, b"v") + b"\x1b", id="wire-type-3-after-a-field"),
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"\x80", id="truncated-key"),
+        pytest.param(b"\x08", id="missing-varint-value"),
+        pytest.param(b"\x08\x80\x80", id="truncated-varint-value"),
+        pytest.param(b"\x0a", id="missing-length"),
+        pytest.param(b"\x0a\x80", id="truncated-length"),
+        pytest.param(b"\x08" + b"\xff" * 10 + b"\x01", id="overlong-varint"),
+        pytest.param(b"\x0a\x05abc", id="length-past-end"),
+        pytest.param(b"\x12\x05abc", id="other-field-length-past-end"),
+        pytest.param(b"\x0a" + varint(2**62) + b"abc", id="huge-length"),
+        pytest.param(b"\x11\x00\x00\x00\x00", id="truncated-fixed64"),
+        pytest.param(b"\x15\x00\x00", id="truncated-fixed32"),
+        pytest.param(b"\x0a\x02\xff\xfe", id="invalid-utf8"),
+        pytest.param(b"\x0a\x02\xc3", id="truncated-utf8-sequence"),
+        pytest.param(length_delimited(1, b"\xed\xa0\x80"), id="utf8-surrogate"),
+        pytest.param(b"\x0b", id="wire-type-3"),
+        pytest.param(b"\x0c", id="wire-type-4"),
+        pytest.param(b"\x0e", id="wire-type-6"),
+        pytest.param(b"\x0f", id="wire-type-7"),
+        pytest.param(length_delimited(2, b"v") + b"\x1b", id="wire-type-3-after-a-field"),
+    ],
+)
 def test_malformed_bytes_raise_wire_error(data):
     with pytest.raises(wire.WireError):
         wire.string_field(data, 1)
@@ -165,8 +186,10 @@ def test_random_bytes_give_str_none_or_wire_error():
     )
 
     @hypothesis.settings(max_examples=300, deadline=None, database=None)
-    @hypothesis.given(st.one_of(st.binary(max_size=64), st.lists(chunks, max_size=6).map(b"".join)),
-                      st.integers(min_value=1, max_value=20))
+    @hypothesis.given(
+        st.one_of(st.binary(max_size=64), st.lists(chunks, max_size=6).map(b"".join)),
+        st.integers(min_value=1, max_value=20),
+    )
     def check(data, number):
         try:
             result = wire.string_field(data, number)
@@ -184,8 +207,9 @@ def test_serialised_requests_give_back_their_model_name():
     @hypothesis.settings(max_examples=100, deadline=None, database=None)
     @hypothesis.given(st.text(), st.text(), st.binary(max_size=64))
     def check(model_name, version, raw):
-        data = pb.ModelInferRequest(model_name=model_name, model_version=version,
-                                    raw_input_contents=[raw]).SerializeToString()
+        data = pb.ModelInferRequest(
+            model_name=model_name, model_version=version, raw_input_contents=[raw]
+        ).SerializeToString()
         assert wire.string_field(data, 1) == (model_name or None)
 
     check()

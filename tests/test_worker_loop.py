@@ -1,4 +1,5 @@
 """The worker's call handling, in-process: deadlines, error kinds, raw frames out, its serving loop."""
+
 import subprocess
 import threading
 import time
@@ -8,9 +9,9 @@ import numpy as np
 import pytest
 import zmq
 
+from plumbing import lifeline
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
-from plumbing import lifeline
 from workers import protocol
 from workers.loop import Worker
 
@@ -33,8 +34,9 @@ class CountingModel:
 
 @pytest.fixture
 def worker(tmp_path):
-    worker = Worker({"address": f"ipc://{tmp_path}/unit.sock", "identity": b"unit",
-                     "heartbeat_timeout": 1, "threads": 1})
+    worker = Worker(
+        {"address": f"ipc://{tmp_path}/unit.sock", "identity": b"unit", "heartbeat_timeout": 1, "threads": 1}
+    )
     worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
     yield worker
     worker.socket.close(linger=0)
@@ -49,8 +51,13 @@ def raw_request(name="x"):
 
 
 def call(worker, body, method=protocol.METHOD_INFER, deadline=None):
-    header = {"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": 7,
-              "method": method, "deadline": deadline}
+    header = {
+        "v": protocol.PROTOCOL_VERSION,
+        "op": protocol.OP_CALL,
+        "id": 7,
+        "method": method,
+        "deadline": deadline,
+    }
     reply = worker.on_call(header, [memoryview(body)])
     return msgpack.unpackb(reply[0]), reply[1:]
 
@@ -71,11 +78,15 @@ def test_raw_outputs_travel_as_their_own_frames(worker):
     assert response.outputs[0].name == "y" and len(response.raw_output_contents) == 1
 
 
-@pytest.mark.parametrize("body, method, kind", [
-    (b"\xff\xff", protocol.METHOD_INFER, protocol.ERROR_INVALID_INPUT),
-    (None, protocol.METHOD_INFER, protocol.ERROR_MODEL),
-    (b"", "acme.Scorer/Score", protocol.ERROR_UNIMPLEMENTED),
-], ids=["malformed", "model-raises", "no-handle"])
+@pytest.mark.parametrize(
+    "body, method, kind",
+    [
+        (b"\xff\xff", protocol.METHOD_INFER, protocol.ERROR_INVALID_INPUT),
+        (None, protocol.METHOD_INFER, protocol.ERROR_MODEL),
+        (b"", "acme.Scorer/Score", protocol.ERROR_UNIMPLEMENTED),
+    ],
+    ids=["malformed", "model-raises", "no-handle"],
+)
 def test_error_kinds(worker, body, method, kind):
     header, _ = call(worker, raw_request("boom") if body is None else body, method)
     assert header["ok"] is False and header["error"] == kind
@@ -95,8 +106,15 @@ def test_each_reply_leaves_before_the_next_queued_call_runs(worker):
     worker.model.predict = lambda *args: (events.append(("ran", None)), predict(*args))[1]
     messages = []
     for request_id in (1, 2):
-        header = msgpack.packb({"v": protocol.PROTOCOL_VERSION, "op": protocol.OP_CALL, "id": request_id,
-                                "method": protocol.METHOD_INFER, "deadline": None})
+        header = msgpack.packb(
+            {
+                "v": protocol.PROTOCOL_VERSION,
+                "op": protocol.OP_CALL,
+                "id": request_id,
+                "method": protocol.METHOD_INFER,
+                "deadline": None,
+            }
+        )
         messages.append((header, [memoryview(raw_request())]))
     worker.handle(messages)
     assert events == [("ran", None), ("sent", 1), ("ran", None), ("sent", 2)]
@@ -119,6 +137,7 @@ def test_raw_request_decodes_alike_below_and_above_the_copy_threshold(worker, el
 
 def test_handle_returning_anything_but_bytes_is_a_model_error(worker):
     """Answered as the model's error, instead of the worker dying on sending a str."""
+
     class TextHandler(CountingModel):
         handles_methods = True
 
@@ -146,8 +165,13 @@ def test_serve_answers_calls_queued_together_then_exits_once_the_front_is_silent
         peer, hello = front.recv_multipart()
         assert protocol.parse_header(hello)["op"] == protocol.OP_HELLO
         for request_id in (1, 2, 3):  # sent back to back: the worker may find them queued together
-            front.send_multipart([peer, protocol.header(protocol.OP_CALL, request_id, method=protocol.METHOD_INFER),
-                                  raw_request()])
+            front.send_multipart(
+                [
+                    peer,
+                    protocol.header(protocol.OP_CALL, request_id, method=protocol.METHOD_INFER),
+                    raw_request(),
+                ]
+            )
         answered = [protocol.parse_header(front.recv_multipart()[1]) for _ in range(3)]
         # In order with one thread; with a pool, replies leave as their calls finish.
         assert sorted((reply["id"], reply["ok"]) for reply in answered) == [(1, True), (2, True), (3, True)]
@@ -173,8 +197,15 @@ def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gon
     front.setsockopt(zmq.LINGER, 0)
     front.bind(address)
     stalled_front = subprocess.Popen(["sleep", "60"])  # stands for a front whose event loop is stuck
-    worker = Worker({"address": address, "identity": b"unit", "heartbeat_timeout": 0.5, "threads": 1,
-                     "front": lifeline.process_identity(stalled_front.pid)})
+    worker = Worker(
+        {
+            "address": address,
+            "identity": b"unit",
+            "heartbeat_timeout": 0.5,
+            "threads": 1,
+            "front": lifeline.process_identity(stalled_front.pid),
+        }
+    )
     serving = threading.Thread(target=worker.serve, daemon=True)
     serving.start()
     try:

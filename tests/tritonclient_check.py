@@ -5,6 +5,7 @@ registers its own copy of the `inference` protobuf package, which clashes
 with ours in one process, so tests/test_inference.py runs this in a child.
 Exits 0 when every check passes; an AssertionError otherwise.
 """
+
 import sys
 
 import numpy as np
@@ -22,8 +23,10 @@ def main(port: str, model: str) -> None:
 
     floats = np.arange(8, dtype=np.float32).reshape(2, 4)
     words = np.array([b"hello", "wörld".encode(), b""], dtype=np.object_)
-    inputs = [triton.InferInput("x", list(floats.shape), "FP32"),
-              triton.InferInput("w", list(words.shape), "BYTES")]
+    inputs = [
+        triton.InferInput("x", list(floats.shape), "FP32"),
+        triton.InferInput("w", list(words.shape), "BYTES"),
+    ]
     inputs[0].set_data_from_numpy(floats)
     inputs[1].set_data_from_numpy(words)
     result = client.infer(model, inputs)

@@ -15,6 +15,7 @@ worker runs a call on its own when it does not fit, and runs every call of
 a batch on its own when the shared predict raises or returns something that
 is not one row per input row, so a bad call fails only itself.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ from protos import grpc_predict_v2_pb2 as pb
 
 class InferCall(NamedTuple):
     """A decoded ModelInfer call, ready to predict."""
+
     request_id: int
     request: pb.ModelInferRequest
     inputs: dict[str, np.ndarray]
@@ -91,6 +93,6 @@ def split_outputs(group: list[InferCall], outputs: Any) -> list[dict[str, np.nda
             raise ValueError(f"output {name!r} has shape {array.shape}, not one row per input row ({total})")
     shares, start = [], 0
     for count in rows:
-        shares.append({name: array[start:start + count] for name, array in arrays.items()})
+        shares.append({name: array[start : start + count] for name, array in arrays.items()})
         start += count
     return shares

@@ -21,6 +21,7 @@ heartbeat timeout and is no longer running; the parent-death signal
 silent is stalled, not gone: its worker waits for it rather than take its
 model down.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -35,9 +36,9 @@ from typing import Any
 
 import zmq
 
+from plumbing import lifeline, titles
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from plumbing import lifeline, titles
 from workers import batching, formats, protocol, v2
 
 log = logging.getLogger("mesh.worker")
@@ -96,10 +97,14 @@ class Worker:
                 self.forward_replies()
             if not ready and time.monotonic() - last_heard > self.heartbeat_timeout:
                 if not self.front_is_running():
-                    log.error("no word from the front for %.0f s and it is gone; exiting", self.heartbeat_timeout)
+                    log.error(
+                        "no word from the front for %.0f s and it is gone; exiting", self.heartbeat_timeout
+                    )
                     return
-                log.warning("no word from the front for %.0f s, but it still runs: waiting for it",
-                            time.monotonic() - last_heard)
+                log.warning(
+                    "no word from the front for %.0f s, but it still runs: waiting for it",
+                    time.monotonic() - last_heard,
+                )
                 last_heard = time.monotonic()  # warn again after another silence limit, not every poll
 
     def front_is_running(self) -> bool:
@@ -155,7 +160,9 @@ class Worker:
         try:
             reply = self.on_call(header, payloads)
         except BaseException as error:  # SystemExit and friends from model code: still answer
-            reply = [protocol.error_reply(header["id"], protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")]
+            reply = [
+                protocol.error_reply(header["id"], protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")
+            ]
         push = getattr(self.thread_sockets, "push", None)
         if push is None:
             push = self.thread_sockets.push = self.context.socket(zmq.PUSH)
@@ -176,23 +183,36 @@ class Worker:
     def on_load(self, header: dict, payloads: list) -> list:
         request_id = header["id"]
         if self.model is not None:
-            return [protocol.error_reply(request_id, protocol.ERROR_LOAD,
-                                         f"this worker already holds model {self.model_id}")]
+            return [
+                protocol.error_reply(
+                    request_id, protocol.ERROR_LOAD, f"this worker already holds model {self.model_id}"
+                )
+            ]
         self.model_id, self.format = header["model_id"], header["format"]
         titles.set_title(f"worker model={self.model_id}")
         started = time.monotonic()
         try:
             self.model = formats.load(self.format, header["path"])
         except Exception as error:
-            log.warning("load of %s failed: %s: %s", self.model_id, type(error).__name__, error,
-                        extra={"model_id": self.model_id})
+            log.warning(
+                "load of %s failed: %s: %s",
+                self.model_id,
+                type(error).__name__,
+                error,
+                extra={"model_id": self.model_id},
+            )
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
         trim_memory()
         fmt = formats.by_name(self.format)
         assert fmt is not None, self.format  # formats.load() raised for an unknown format
         self.batches_rows = fmt.batches_rows and self.batch_max > 1
-        log.info("loaded %s (%s) in %.1f ms", self.model_id, self.format,
-                 (time.monotonic() - started) * 1000, extra={"model_id": self.model_id})
+        log.info(
+            "loaded %s (%s) in %.1f ms",
+            self.model_id,
+            self.format,
+            (time.monotonic() - started) * 1000,
+            extra={"model_id": self.model_id},
+        )
         return [protocol.reply(request_id)]
 
     def on_calls(self, calls: list[tuple[dict, list]]) -> list[list]:
@@ -229,8 +249,11 @@ class Worker:
             return [protocol.error_reply(header["id"], protocol.ERROR_NOT_LOADED, "no model in this worker")]
         deadline = header.get("deadline")
         if deadline is not None and time.time() > deadline:
-            return [protocol.error_reply(header["id"], protocol.ERROR_EXPIRED,
-                                         "the request's deadline passed before it could run")]
+            return [
+                protocol.error_reply(
+                    header["id"], protocol.ERROR_EXPIRED, "the request's deadline passed before it could run"
+                )
+            ]
         return None
 
     def _answer(self, request_id: int, method: str, work) -> list:
@@ -242,9 +265,12 @@ class Worker:
         except _Unimplemented as error:
             return [protocol.error_reply(request_id, protocol.ERROR_UNIMPLEMENTED, str(error))]
         except Exception as error:
-            log.exception("model %s raised while serving %s", self.model_id, method,
-                          extra={"model_id": self.model_id})
-            return [protocol.error_reply(request_id, protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")]
+            log.exception(
+                "model %s raised while serving %s", self.model_id, method, extra={"model_id": self.model_id}
+            )
+            return [
+                protocol.error_reply(request_id, protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")
+            ]
 
     def _dispatch(self, request_id: int, method: str, request) -> list:
         if method == protocol.METHOD_INFER:
@@ -273,8 +299,9 @@ class Worker:
         except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request, raw_inputs)
-        return batching.InferCall(request_id, request, inputs, parameters, raw,
-                                  [output.name for output in request.outputs])
+        return batching.InferCall(
+            request_id, request, inputs, parameters, raw, [output.name for output in request.outputs]
+        )
 
     def _predict(self, call: batching.InferCall, inputs: dict):
         return self.model.predict(inputs, call.parameters, call.requested)
@@ -302,11 +329,19 @@ class Worker:
                 outputs = self._predict(group[0], batching.stacked_inputs(group))
                 shares = batching.split_outputs(group, outputs)
             except Exception as error:
-                log.info("a batch of %d calls failed (%s: %s); running them one by one",
-                         len(group), type(error).__name__, error, extra={"model_id": self.model_id})
-        return {call.request_id: self._answer(call.request_id, protocol.METHOD_INFER,
-                                              functools.partial(self._reply_to, call, share))
-                for call, share in zip(group, shares)}
+                log.info(
+                    "a batch of %d calls failed (%s: %s); running them one by one",
+                    len(group),
+                    type(error).__name__,
+                    error,
+                    extra={"model_id": self.model_id},
+                )
+        return {
+            call.request_id: self._answer(
+                call.request_id, protocol.METHOD_INFER, functools.partial(self._reply_to, call, share)
+            )
+            for call, share in zip(group, shares, strict=True)
+        }
 
     def _reply_to(self, call: batching.InferCall, outputs: dict | None) -> list:
         """The reply to one call: with its share of a batch's outputs, else after its own predict."""

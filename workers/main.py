@@ -5,6 +5,7 @@ point, and must not pull numpy or model code in with it. The fork server has
 already imported workers.loop (workers/preload.py), so the import below
 costs nothing in a worker.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,10 @@ def run(config: dict[str, Any]) -> None:
     # Before ZeroMQ starts its I/O thread, which inherits the policy.
     if config["sched_batch"] and not priority.schedule_as_batch_work():
         logging.getLogger("mesh.worker").warning(
-            "the kernel refused SCHED_BATCH (WORKER_SCHED_BATCH); this worker may preempt the front")
+            "the kernel refused SCHED_BATCH (WORKER_SCHED_BATCH); this worker may preempt the front"
+        )
     from workers.loop import Worker
+
     worker = Worker(config)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
     worker.serve()

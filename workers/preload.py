@@ -7,6 +7,7 @@ code so that a new worker starts in milliseconds, then freezes the garbage
 collector's view of those objects so that collections in the workers do not
 touch (and so copy) the shared pages.
 """
+
 import gc
 import importlib
 import os

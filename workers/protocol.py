@@ -35,9 +35,11 @@ Messages:
 A failed reply names an error kind (ERROR_* below); the front turns kinds
 into gRPC status codes in exactly one place (runtime/status.py).
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 import zmq
@@ -58,14 +60,15 @@ OP_REPLY = "reply"
 OPS = frozenset({OP_HELLO, OP_PING, OP_PONG, OP_LOAD, OP_CALL, OP_REPLY})
 
 # Error kinds a worker may put in a failed reply.
-ERROR_LOAD = "load"                    # the model's code raised while loading
+ERROR_LOAD = "load"  # the model's code raised while loading
 ERROR_INVALID_INPUT = "invalid_input"  # the request does not fit the model (tensors, shapes)
-ERROR_MODEL = "model"                  # the model's code raised while serving
+ERROR_MODEL = "model"  # the model's code raised while serving
 ERROR_UNIMPLEMENTED = "unimplemented"  # the model does not serve this method
-ERROR_NOT_LOADED = "not_loaded"        # a call reached a worker that holds no model
-ERROR_EXPIRED = "expired"              # the call's deadline passed before it could run
-ERROR_KINDS = frozenset({ERROR_LOAD, ERROR_INVALID_INPUT, ERROR_MODEL,
-                         ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED, ERROR_EXPIRED})
+ERROR_NOT_LOADED = "not_loaded"  # a call reached a worker that holds no model
+ERROR_EXPIRED = "expired"  # the call's deadline passed before it could run
+ERROR_KINDS = frozenset(
+    {ERROR_LOAD, ERROR_INVALID_INPUT, ERROR_MODEL, ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED, ERROR_EXPIRED}
+)
 
 # Methods the worker serves itself; any other method goes to the model's handle().
 METHOD_INFER = "inference.GRPCInferenceService/ModelInfer"

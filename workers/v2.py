@@ -7,6 +7,7 @@ ModelInferResponse, raw when the request was raw. Anything wrong with the
 request raises InvalidInput (INVALID_ARGUMENT); anything wrong with what the
 model returned raises BadModelOutput (INTERNAL).
 """
+
 from __future__ import annotations
 
 import struct
@@ -55,8 +56,9 @@ class BadModelOutput(ValueError):
     """The model returned something V2 cannot carry."""
 
 
-def decode_request(request: pb.ModelInferRequest, raw_inputs: list | None = None
-                   ) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
+def decode_request(
+    request: pb.ModelInferRequest, raw_inputs: list | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
     """-> (inputs by name, request parameters, whether the request used raw contents).
 
     raw_inputs: the raw_input_contents as buffers taken out of the request
@@ -96,8 +98,9 @@ def _datatype(name: str, datatype: str) -> tuple[np.dtype, str | None]:
     try:
         return DATATYPES[datatype]
     except KeyError:
-        raise InvalidInput(f"input {name!r}: unknown datatype {datatype!r} "
-                           f"(expected one of {', '.join(DATATYPES)})") from None
+        raise InvalidInput(
+            f"input {name!r}: unknown datatype {datatype!r} (expected one of {', '.join(DATATYPES)})"
+        ) from None
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -123,8 +126,10 @@ def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
         return _bytes_elements(tensor.name, data, count)
     expected = count * dtype.itemsize
     if len(data) != expected:
-        raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} of {tensor.datatype} "
-                           f"needs {expected} bytes, raw_input_contents has {len(data)}")
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(tensor.shape)} of {tensor.datatype} "
+            f"needs {expected} bytes, raw_input_contents has {len(data)}"
+        )
     array = np.frombuffer(data, dtype=dtype)
     if datatype == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
@@ -142,10 +147,12 @@ def _bytes_elements(name: str, data: bytes, count: int) -> np.ndarray:
         offset += 4
         if offset + length > len(data):
             raise InvalidInput(f"input {name!r}: raw BYTES element of {length} bytes runs past the end")
-        elements.append(bytes(data[offset:offset + length]))
+        elements.append(bytes(data[offset : offset + length]))
         offset += length
     if len(elements) != count:
-        raise InvalidInput(f"input {name!r}: shape needs {count} BYTES elements, raw contents hold {len(elements)}")
+        raise InvalidInput(
+            f"input {name!r}: shape needs {count} BYTES elements, raw contents hold {len(elements)}"
+        )
     array = np.empty(count, dtype=object)
     array[:] = elements
     return array
@@ -158,8 +165,10 @@ def _from_contents(tensor, count: int) -> np.ndarray:
         raise InvalidInput(f"input {tensor.name!r}: {datatype} can only be sent in raw_input_contents")
     values = getattr(tensor.contents, field)
     if len(values) != count:
-        raise InvalidInput(f"input {tensor.name!r}: shape {list(tensor.shape)} needs {count} values "
-                           f"in contents.{field}, got {len(values)}")
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(tensor.shape)} needs {count} values "
+            f"in contents.{field}, got {len(values)}"
+        )
     if datatype == "BYTES":
         array = np.empty(count, dtype=object)
         array[:] = list(values)
@@ -173,8 +182,9 @@ def _from_contents(tensor, count: int) -> np.ndarray:
     wide = np.fromiter(values, np.int64, count)
     limits = np.iinfo(dtype)
     if count and (wide.min() < limits.min or wide.max() > limits.max):
-        raise InvalidInput(f"input {tensor.name!r}: a value does not fit {tensor.datatype} "
-                           f"({limits.min}..{limits.max})")
+        raise InvalidInput(
+            f"input {tensor.name!r}: a value does not fit {tensor.datatype} ({limits.min}..{limits.max})"
+        )
     return wide.astype(dtype)
 
 
@@ -184,8 +194,9 @@ def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw:
     return body + b"".join(wire.bytes_field_header(RAW_OUTPUT_FIELD, len(b)) + bytes(b) for b in buffers)
 
 
-def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool,
-                          requested: list[str] | None = None) -> tuple[bytes, list]:
+def encode_response_parts(
+    request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool, requested: list[str] | None = None
+) -> tuple[bytes, list]:
     """-> (the response without raw_output_contents, the raw output buffers).
 
     requested: the request's output names when the caller has read them already.
@@ -201,13 +212,16 @@ def encode_response_parts(request: pb.ModelInferRequest, outputs: dict[str, Any]
     wanted = requested or list(outputs)
     missing = [name for name in wanted if name not in outputs]
     if missing:
-        raise InvalidInput(f"requested output {missing[0]!r} is not produced by the model "
-                           f"(outputs: {', '.join(map(str, outputs))})")
+        raise InvalidInput(
+            f"requested output {missing[0]!r} is not produced by the model "
+            f"(outputs: {', '.join(map(str, outputs))})"
+        )
     tensors = [(name, *_output_tensor(name, outputs[name])) for name in wanted]
     # FP16 exists only raw, and raw is all-or-nothing across a response.
     raw = raw or any(datatype == "FP16" for _, datatype, _ in tensors)
-    response = pb.ModelInferResponse(model_name=request.model_name,
-                                     model_version=request.model_version, id=request.id)
+    response = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
     buffers = []
     outputs_field = response.outputs  # read once: each read builds a new Python object
     for name, datatype, array in tensors:
@@ -247,8 +261,10 @@ def _bytes_elements_of(name: str, array: np.ndarray) -> list[bytes]:
         elif isinstance(element, str):  # numpy.str_ too
             elements.append(_utf8(name, array, index, element))
         else:
-            raise BadModelOutput(f"output {name!r} holds {type(element).__name__} at index "
-                                 f"{_position(array, index)}; an object output must hold bytes or str")
+            raise BadModelOutput(
+                f"output {name!r} holds {type(element).__name__} at index "
+                f"{_position(array, index)}; an object output must hold bytes or str"
+            )
     return elements
 
 
@@ -256,8 +272,10 @@ def _utf8(name: str, array: np.ndarray, index: int, text: str) -> bytes:
     try:
         return text.encode()
     except UnicodeEncodeError as error:  # a lone surrogate
-        raise BadModelOutput(f"output {name!r} holds a str at index {_position(array, index)} "
-                             f"that UTF-8 cannot encode ({error.reason})") from None
+        raise BadModelOutput(
+            f"output {name!r} holds a str at index {_position(array, index)} "
+            f"that UTF-8 cannot encode ({error.reason})"
+        ) from None
 
 
 def _position(array: np.ndarray, flat_index: int) -> str:
@@ -295,9 +313,13 @@ def metadata_response(model_name: str, platform: str, metadata: dict | None) -> 
     response = pb.ModelMetadataResponse(
         name=model_name,
         versions=[str(v) for v in metadata.get("versions", [])],
-        platform=str(metadata.get("platform", platform)))
+        platform=str(metadata.get("platform", platform)),
+    )
     for kind in ("inputs", "outputs"):
         for tensor in metadata.get(kind, []):
-            getattr(response, kind).add(name=str(tensor["name"]), datatype=str(tensor["datatype"]),
-                                        shape=[int(d) for d in tensor.get("shape", [])])
+            getattr(response, kind).add(
+                name=str(tensor["name"]),
+                datatype=str(tensor["datatype"]),
+                shape=[int(d) for d in tensor.get("shape", [])],
+            )
     return response.SerializeToString()

@@ -3,6 +3,7 @@
 scripts/make-examples writes weights.npz beside this file (the coefficients
 of the scikit-learn example), so all the iris examples answer alike.
 """
+
 import os
 
 import numpy as np
@@ -21,6 +22,10 @@ class Model:
 
     def metadata(self):
         classes = len(self.intercept)
-        return {"inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}],
-                "outputs": [{"name": "predict", "datatype": "INT64", "shape": [-1]},
-                            {"name": "predict_proba", "datatype": "FP64", "shape": [-1, classes]}]}
+        return {
+            "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}],
+            "outputs": [
+                {"name": "predict", "datatype": "INT64", "shape": [-1]},
+                {"name": "predict_proba", "datatype": "FP64", "shape": [-1, classes]},
+            ],
+        }

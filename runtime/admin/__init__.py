@@ -15,6 +15,7 @@ args)`; its docstring is its help, and the `help` command lists them. The
 scripts in scripts/ (inspect-workers, worker-stacks, kill-worker) are the
 clients.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,10 +38,20 @@ USAGE = 'expected JSON {"command": NAME, "args": [STRING, ...]}'
 MAX_REQUEST_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 1024 * 1024
 # What a peer that does not speak ZeroMQ (or leaves mid-greeting) shows up as.
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number",
-               bool: "boolean", type(None): "null"}
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_JSON_TYPES = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
 
 
 class AdminError(Exception):
@@ -113,8 +124,10 @@ class AdminServer:
         self._socket.bind(f"ipc://{self.path}")
         os.chmod(self.path, 0o600)
         self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
-        self._tasks = [asyncio.create_task(self._serve_forever(), name="admin"),
-                       asyncio.create_task(self._log_handshake_failures(), name="admin-monitor")]
+        self._tasks = [
+            asyncio.create_task(self._serve_forever(), name="admin"),
+            asyncio.create_task(self._log_handshake_failures(), name="admin-monitor"),
+        ]
         for task in self._tasks:
             task.add_done_callback(_report_stop)
         log.info("admin socket at %s", self.path)
@@ -178,8 +191,11 @@ class AdminServer:
             # NOBLOCK: a peer that sends without reading must not stall the socket for everyone.
             await self._socket.send_multipart([peer, b"", body], flags=zmq.NOBLOCK)
         except zmq.ZMQError as error:  # EHOSTUNREACH: it left; EAGAIN: it does not read its answers
-            log.warning("admin socket: dropped the answer to peer %s (it left or does not read): %s",
-                        peer.hex(), error)
+            log.warning(
+                "admin socket: dropped the answer to peer %s (it left or does not read): %s",
+                peer.hex(),
+                error,
+            )
 
     async def _log_handshake_failures(self) -> None:
         while True:

@@ -9,6 +9,7 @@ titles with psutil, and says so.
 Exit codes: 0 healthy / done, 1 a model is degraded or the command was
 refused, 2 the runtime could not be reached.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,20 @@ from runtime.admin import socket_path
 from runtime.settings import Settings, SettingsError
 
 TIMEOUT_MS = 3000
-COLUMNS = [("pid", 7), ("role", 5), ("model", 28), ("state", 9), ("uptime", 8), ("uss", 9),
-           ("rss", 9), ("cpu%", 6), ("inflight", 8), ("served", 8), ("errors", 6), ("last_error", 0)]
+COLUMNS = [
+    ("pid", 7),
+    ("role", 5),
+    ("model", 28),
+    ("state", 9),
+    ("uptime", 8),
+    ("uss", 9),
+    ("rss", 9),
+    ("cpu%", 6),
+    ("inflight", 8),
+    ("served", 8),
+    ("errors", 6),
+    ("last_error", 0),
+]
 OK, DEGRADED, UNREACHABLE = 0, 1, 2
 
 
@@ -82,16 +95,27 @@ def _mib(value: int) -> str:
 
 
 def _cells(row: dict) -> list[str]:
-    return [str(row["pid"]), row["role"], row["model"] or "-", row["state"], f"{row['uptime_s']:.0f}s",
-            _mib(row["uss_bytes"]), _mib(row["rss_bytes"]), f"{row['cpu_percent']:.1f}",
-            str(row["in_flight"]), str(row["served"]), str(row["errors"]),
-            (row["last_error"] or "-").replace("\n", " ")[:120]]
+    return [
+        str(row["pid"]),
+        row["role"],
+        row["model"] or "-",
+        row["state"],
+        f"{row['uptime_s']:.0f}s",
+        _mib(row["uss_bytes"]),
+        _mib(row["rss_bytes"]),
+        f"{row['cpu_percent']:.1f}",
+        str(row["in_flight"]),
+        str(row["served"]),
+        str(row["errors"]),
+        (row["last_error"] or "-").replace("\n", " ")[:120],
+    ]
 
 
 def table(rows: list[dict]) -> str:
     lines = [" ".join(name.upper().ljust(width) for name, width in COLUMNS).rstrip()]
     for row in rows:
-        lines.append(" ".join(cell.ljust(width) for cell, (_, width) in zip(_cells(row), COLUMNS)).rstrip())
+        cells = zip(_cells(row), COLUMNS, strict=True)
+        lines.append(" ".join(cell.ljust(width) for cell, (_, width) in cells).rstrip())
     return "\n".join(lines)
 
 
@@ -107,10 +131,22 @@ def rows_from_titles() -> list[dict]:
             uss, rss = process.memory_full_info().uss, process.memory_info().rss
         except psutil.Error:
             uss = rss = 0
-        rows.append({"pid": process.info["pid"], "role": "model" if model else "spare", "model": model,
-                     "state": "?", "uptime_s": time.time() - process.info["create_time"],
-                     "uss_bytes": uss, "rss_bytes": rss, "cpu_percent": 0.0, "in_flight": "?",
-                     "served": "?", "errors": "?", "last_error": ""})
+        rows.append(
+            {
+                "pid": process.info["pid"],
+                "role": "model" if model else "spare",
+                "model": model,
+                "state": "?",
+                "uptime_s": time.time() - process.info["create_time"],
+                "uss_bytes": uss,
+                "rss_bytes": rss,
+                "cpu_percent": 0.0,
+                "in_flight": "?",
+                "served": "?",
+                "errors": "?",
+                "last_error": "",
+            }
+        )
     return rows
 
 
@@ -129,16 +165,24 @@ def _inspect_once(runtime_dir: str, as_json: bool) -> int:
         print(table(rows))
         for model in models:
             if model["degraded"]:
-                print(f"degraded: {model['model']} has {model['replicas_ready']}/{model['replicas_wanted']} "
-                      f"replicas ready{' (healing)' if model['healing'] else ''}")
+                print(
+                    f"degraded: {model['model']} has {model['replicas_ready']}/{model['replicas_wanted']} "
+                    f"replicas ready{' (healing)' if model['healing'] else ''}"
+                )
     return code
 
 
 def inspect_workers(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inspect-workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
-    parser.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
-                        help="refresh like top (default every 2 s)")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh like top (default every 2 s)",
+    )
     parser.add_argument("--runtime-dir", help="RUNTIME_DIR of the runtime (default: from the environment)")
     options = parser.parse_args(argv)
     runtime_dir = _runtime_dir(options.runtime_dir)
@@ -176,14 +220,20 @@ def worker_stacks(argv: list[str] | None = None) -> int:
     def show(stacks: dict) -> None:
         for pid, text in stacks.items():
             print(f"== worker {pid} ==\n{text}")
+
     return _target_command("worker-stacks", "stacks", argv, show)
 
 
 def kill_worker(argv: list[str] | None = None) -> int:
-    return _target_command("kill-worker", "kill", argv,
-                           lambda pids: print("killed " + " ".join(map(str, pids))))
+    return _target_command(
+        "kill-worker", "kill", argv, lambda pids: print("killed " + " ".join(map(str, pids)))
+    )
 
 
 if __name__ == "__main__":
-    commands = {"inspect-workers": inspect_workers, "worker-stacks": worker_stacks, "kill-worker": kill_worker}
+    commands = {
+        "inspect-workers": inspect_workers,
+        "worker-stacks": worker_stacks,
+        "kill-worker": kill_worker,
+    }
     sys.exit(commands[sys.argv[1]](sys.argv[2:]))

@@ -4,6 +4,7 @@ A model worker is replaced as after any crash: its calls fail UNAVAILABLE,
 the model reloads in a fresh worker (or is dropped after MODEL_CRASH_LIMIT
 crashes). A killed spare is replaced by the pool.
 """
+
 from __future__ import annotations
 
 from runtime.admin import AdminError, find_workers

@@ -5,6 +5,7 @@ replicas and replicas wanted, worker pids, size in bytes as last measured,
 calls waiting in its line, crashes within MODEL_CRASH_WINDOW_MS, whether it is
 healing, and `degraded` (ready but short of replicas).
 """
+
 from __future__ import annotations
 
 
@@ -14,11 +15,20 @@ async def run(supervisor, args: list[str]) -> list[dict]:
     for model in supervisor.models():
         ready = len(model.replicas.workers)
         healing = model.heal_task is not None and not model.heal_task.done()
-        entries.append({
-            "model": model.model_id, "state": model.state.value, "format": model.spec.format.name,
-            "path": model.spec.path, "replicas_ready": ready, "replicas_wanted": wanted,
-            "pids": [w.pid for w in model.workers], "size_bytes": model.size,
-            "waiting": model.replicas.waiting, "recent_crashes": len(model.crashes),
-            "healing": healing, "degraded": model.state.value == "ready" and (ready < wanted or healing),
-        })
+        entries.append(
+            {
+                "model": model.model_id,
+                "state": model.state.value,
+                "format": model.spec.format.name,
+                "path": model.spec.path,
+                "replicas_ready": ready,
+                "replicas_wanted": wanted,
+                "pids": [w.pid for w in model.workers],
+                "size_bytes": model.size,
+                "waiting": model.replicas.waiting,
+                "recent_crashes": len(model.crashes),
+                "healing": healing,
+                "degraded": model.state.value == "ready" and (ready < wanted or healing),
+            }
+        )
     return entries

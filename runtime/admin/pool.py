@@ -4,6 +4,7 @@ Warm spares ready and wanted, worker processes and WORKERS_MAX, replicas and
 threads per model, and capacity: reported to model-mesh, used by loaded
 models (their measured USS), and free.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,14 @@ async def run(supervisor, args: list[str]) -> dict:
     capacity = await asyncio.to_thread(supervisor.capacity)
     used = sum(m.size for m in supervisor.models())
     return {
-        "spares": len(supervisor.pool.spares()), "workers_warm": settings.workers_warm,
-        "workers": len(supervisor.pool.workers()), "workers_max": settings.workers_max,
-        "model_replicas": settings.model_replicas, "worker_threads": settings.worker_threads,
+        "spares": len(supervisor.pool.spares()),
+        "workers_warm": settings.workers_warm,
+        "workers": len(supervisor.pool.workers()),
+        "workers_max": settings.workers_max,
+        "model_replicas": settings.model_replicas,
+        "worker_threads": settings.worker_threads,
         "models": len(supervisor.models()),
-        "capacity_bytes": capacity, "used_bytes": used, "free_bytes": max(0, capacity - used),
+        "capacity_bytes": capacity,
+        "used_bytes": used,
+        "free_bytes": max(0, capacity - used),
     }

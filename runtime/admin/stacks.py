@@ -4,6 +4,7 @@ The worker is not stopped: SIGUSR1 makes Python's faulthandler, registered in
 every worker at start, write all thread stacks to RUNTIME_DIR/stacks/PID from
 inside the signal handler, so it answers even while the model's code is busy.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,8 @@ import os
 import signal
 import time
 
-from runtime.admin import AdminError, find_workers
 from plumbing.stacks import stacks_path
+from runtime.admin import AdminError, find_workers
 
 WAIT_SECONDS = 2.0
 

@@ -5,6 +5,7 @@ loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS 
 the last `workers` call, calls in flight, calls served, calls failed, and the
 last error.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,11 +46,20 @@ async def run(supervisor, args: list[str]) -> list[dict]:
     rows = []
     for worker in sorted(workers, key=lambda w: w.pid):
         uss, rss, cpu = figures[worker.pid]
-        rows.append({
-            "pid": worker.pid, "role": "model" if worker.model_id else "spare",
-            "model": worker.model_id or "", "state": worker.state.value,
-            "uptime_s": round(now - worker.started, 1), "uss_bytes": uss, "rss_bytes": rss,
-            "cpu_percent": cpu, "in_flight": worker.in_flight, "served": worker.served,
-            "errors": worker.errors, "last_error": worker.last_error or worker.kill_reason,
-        })
+        rows.append(
+            {
+                "pid": worker.pid,
+                "role": "model" if worker.model_id else "spare",
+                "model": worker.model_id or "",
+                "state": worker.state.value,
+                "uptime_s": round(now - worker.started, 1),
+                "uss_bytes": uss,
+                "rss_bytes": rss,
+                "cpu_percent": cpu,
+                "in_flight": worker.in_flight,
+                "served": worker.served,
+                "errors": worker.errors,
+                "last_error": worker.last_error or worker.kill_reason,
+            }
+        )
     return rows

@@ -15,6 +15,7 @@ exposes `load(path) -> model`, an object with:
     handles_methods: bool       True when handle(method, request_bytes) exists
     close()                     called on unload (SIGTERM), best effort
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,11 +27,11 @@ MiB = 1024 * 1024
 @dataclasses.dataclass(frozen=True)
 class Format:
     name: str
-    module: str                      # worker-side module with load(path)
-    framework: str | None = None     # top-level module that must be importable
-    extra: str | None = None         # pip extra that installs the framework
+    module: str  # worker-side module with load(path)
+    framework: str | None = None  # top-level module that must be importable
+    extra: str | None = None  # pip extra that installs the framework
     file_names: tuple[str, ...] = ()  # exact names that identify the format
-    suffixes: tuple[str, ...] = ()    # file endings that identify the format
+    suffixes: tuple[str, ...] = ()  # file endings that identify the format
     aliases: tuple[str, ...] = ()
     # The least a loaded model of this format costs, whatever its files weigh:
     # predictModelSize never answers less.
@@ -67,28 +68,69 @@ class Format:
 FORMATS: tuple[Format, ...] = (
     # A custom model: model.py defining `class Model`. Floor: a worker that
     # imported only numpy measures 4-6 MiB USS once loaded (scripts/bench).
-    Format("python", "workers.formats.python", file_names=("model.py",),
-           aliases=("custom", "python3", "mesh-python")),
+    Format(
+        "python",
+        "workers.formats.python",
+        file_names=("model.py",),
+        aliases=("custom", "python3", "mesh-python"),
+    ),
     # 13.8-14.1 MiB loaded, 15.9-16.3 MiB after a call: sklearn adds 9-11.5 MiB.
     # 18.0 and 19.7 MiB when the fork server preloads only numpy and sklearn
     # (the sklearn extra alone).
-    Format("sklearn", "workers.formats.sklearn", framework="sklearn", extra="sklearn",
-           suffixes=(".joblib", ".pkl", ".pickle"), aliases=("scikit-learn", "sk-learn", "skl"),
-           size_floor=24 * MiB, batches_rows=True),
+    Format(
+        "sklearn",
+        "workers.formats.sklearn",
+        framework="sklearn",
+        extra="sklearn",
+        suffixes=(".joblib", ".pkl", ".pickle"),
+        aliases=("scikit-learn", "sk-learn", "skl"),
+        size_floor=24 * MiB,
+        batches_rows=True,
+    ),
     # 7.4-7.5 MiB loaded, 7.8 MiB after a call: xgboost adds 2.6-3.1 MiB.
-    Format("xgboost", "workers.formats.xgboost", framework="xgboost", extra="xgboost",
-           suffixes=(".json", ".ubj"), aliases=("xgb",), size_floor=10 * MiB, batches_rows=True),
+    Format(
+        "xgboost",
+        "workers.formats.xgboost",
+        framework="xgboost",
+        extra="xgboost",
+        suffixes=(".json", ".ubj"),
+        aliases=("xgb",),
+        size_floor=10 * MiB,
+        batches_rows=True,
+    ),
     # 6.0-6.2 MiB loaded, 6.5 MiB after a call: lightgbm adds 1.2-1.8 MiB.
-    Format("lightgbm", "workers.formats.lightgbm", framework="lightgbm", extra="lightgbm",
-           suffixes=(".txt",), aliases=("lgbm", "lgb"), size_floor=8 * MiB, batches_rows=True),
+    Format(
+        "lightgbm",
+        "workers.formats.lightgbm",
+        framework="lightgbm",
+        extra="lightgbm",
+        suffixes=(".txt",),
+        aliases=("lgbm", "lgb"),
+        size_floor=8 * MiB,
+        batches_rows=True,
+    ),
     # 15.5-15.7 MiB loaded, 16.6-16.7 MiB after a call: onnxruntime adds
     # 10.7-12 MiB, 8 MiB of it library code that only this worker has mapped.
-    Format("onnx", "workers.formats.onnx", framework="onnxruntime", extra="onnx",
-           suffixes=(".onnx",), aliases=("onnxruntime", "onnxruntime_onnx"), size_floor=20 * MiB),
+    Format(
+        "onnx",
+        "workers.formats.onnx",
+        framework="onnxruntime",
+        extra="onnx",
+        suffixes=(".onnx",),
+        aliases=("onnxruntime", "onnxruntime_onnx"),
+        size_floor=20 * MiB,
+    ),
     # 7.6-7.7 MiB loaded, 15.2 MiB after a call: torch adds 2.8-10.5 MiB (the
     # first forward() sets up its CPU kernels and allocator).
-    Format("pytorch", "workers.formats.pytorch", framework="torch", extra="pytorch",
-           suffixes=(".pt",), aliases=("torch", "torchscript", "pytorch_libtorch"), size_floor=18 * MiB),
+    Format(
+        "pytorch",
+        "workers.formats.pytorch",
+        framework="torch",
+        extra="pytorch",
+        suffixes=(".pt",),
+        aliases=("torch", "torchscript", "pytorch_libtorch"),
+        size_floor=18 * MiB,
+    ),
 )
 
 

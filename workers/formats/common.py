@@ -3,6 +3,7 @@
 Imports no framework: the fork server imports every format module up front,
 and the frameworks are imported by each module's load() only.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ def model_file(path: str, format_name: str) -> str:
     fmt = formats.by_name(format_name)
     if fmt is None:
         raise ValueError(f"unknown model format {format_name!r}")
-    found = sorted(name for name in os.listdir(path)
-                   if fmt.matches(name) and os.path.isfile(os.path.join(path, name)))
+    found = sorted(
+        name for name in os.listdir(path) if fmt.matches(name) and os.path.isfile(os.path.join(path, name))
+    )
     if len(found) > 1:
         named_model = [name for name in found if name.split(".", 1)[0] == "model"]
         found = named_model if len(named_model) == 1 else found

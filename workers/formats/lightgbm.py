@@ -4,6 +4,7 @@ modelPath is the file or the folder holding it. The first input tensor is a
 batch of feature rows; the output `predict` is what Booster.predict gives
 (scores, or one probability per class for multiclass objectives).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ PREDICT = "predict"
 INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
 
 
-def load(path: str) -> "LightGBMModel":
+def load(path: str) -> LightGBMModel:
     import lightgbm
 
     return LightGBMModel(lightgbm.Booster(model_file=common.model_file(path, "lightgbm")))
@@ -35,10 +36,13 @@ class LightGBMModel:
         return {PREDICT: self.booster.predict(rows)}
 
     def metadata(self) -> dict:
-        return {"platform": "lightgbm",
-                "inputs": [common.tensor(INPUT_NAME, "FP64", [-1, self.n_features])],
-                "outputs": [common.tensor(PREDICT, common.datatype_of(self.sample.dtype),
-                                          [-1, *self.sample.shape[1:]])]}
+        return {
+            "platform": "lightgbm",
+            "inputs": [common.tensor(INPUT_NAME, "FP64", [-1, self.n_features])],
+            "outputs": [
+                common.tensor(PREDICT, common.datatype_of(self.sample.dtype), [-1, *self.sample.shape[1:]])
+            ],
+        }
 
     def close(self) -> None:
         pass

@@ -6,6 +6,7 @@ session runs WORKER_THREADS threads per operator (1 when unset): the front
 sends a worker that many requests at once, and a pod runs many workers, so
 more threads would only fight over the same cores.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,10 +18,18 @@ from workers.formats import common
 
 # onnx tensor type -> V2 datatype; the numpy dtype comes from v2.DATATYPES.
 DATATYPE_OF_ONNX: dict[str, str] = {
-    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16",
-    "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64", "tensor(int8)": "INT8",
-    "tensor(int16)": "INT16", "tensor(int32)": "INT32", "tensor(int64)": "INT64",
-    "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
     "tensor(string)": "BYTES",
 }
 
@@ -39,7 +48,7 @@ def threads() -> int:
         return 1  # the front refuses to start on a bad value; be lenient here
 
 
-def load(path: str) -> "OnnxModel":
+def load(path: str) -> OnnxModel:
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -47,8 +56,9 @@ def load(path: str) -> "OnnxModel":
     options.inter_op_num_threads = 1
     # Idle pool threads would otherwise spin on the cores other workers need.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(common.model_file(path, "onnx"), options,
-                                           providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(
+        common.model_file(path, "onnx"), options, providers=["CPUExecutionProvider"]
+    )
     return OnnxModel(session)
 
 
@@ -65,12 +75,14 @@ class OnnxModel:
         # Run only what was asked for; a name the graph lacks is left out here
         # and reported by v2.encode_response as INVALID_ARGUMENT.
         wanted = [name for name in requested_outputs if name in self.output_names] or self.output_names
-        return dict(zip(wanted, self.session.run(wanted, feed)))
+        return dict(zip(wanted, self.session.run(wanted, feed), strict=True))
 
     def metadata(self) -> dict:
-        return {"platform": "onnxruntime_onnx",
-                "inputs": [_described(node) for node in self.inputs],
-                "outputs": [_described(node) for node in self.session.get_outputs()]}
+        return {
+            "platform": "onnxruntime_onnx",
+            "inputs": [_described(node) for node in self.inputs],
+            "outputs": [_described(node) for node in self.session.get_outputs()],
+        }
 
     def close(self) -> None:
         pass
@@ -81,17 +93,22 @@ def _fed(graph_input, inputs: dict) -> np.ndarray:
     array = inputs.get(graph_input.name)
     datatype, dtype = _types(graph_input.type)
     if array is None:
-        raise v2.InvalidInput(f"the model needs input {graph_input.name!r} ({datatype or graph_input.type}); "
-                              f"the request has {', '.join(map(repr, inputs)) or 'no input'}")
+        raise v2.InvalidInput(
+            f"the model needs input {graph_input.name!r} ({datatype or graph_input.type}); "
+            f"the request has {', '.join(map(repr, inputs)) or 'no input'}"
+        )
     if dtype is None:  # a type V2 has no name for: onnxruntime judges
         return array
     if array.dtype != dtype:
-        raise v2.InvalidInput(f"input {graph_input.name!r} is {common.datatype_of(array.dtype)}; "
-                              f"the model takes {datatype}")
+        raise v2.InvalidInput(
+            f"input {graph_input.name!r} is {common.datatype_of(array.dtype)}; the model takes {datatype}"
+        )
     if not _fits(array.shape, graph_input.shape):
-        raise v2.InvalidInput(f"input {graph_input.name!r} has shape {list(array.shape)}; "
-                              f"the model takes {_described(graph_input)['shape']}")
-    return common.as_text(array) if dtype == object else array
+        raise v2.InvalidInput(
+            f"input {graph_input.name!r} has shape {list(array.shape)}; "
+            f"the model takes {_described(graph_input)['shape']}"
+        )
+    return common.as_text(array) if dtype is object else array
 
 
 def _fits(shape: tuple[int, ...], graph_shape) -> bool:
@@ -99,7 +116,8 @@ def _fits(shape: tuple[int, ...], graph_shape) -> bool:
     if graph_shape is None:
         return True
     return len(shape) == len(graph_shape) and all(
-        not isinstance(fixed, int) or fixed == size for fixed, size in zip(graph_shape, shape))
+        not isinstance(fixed, int) or fixed == size for fixed, size in zip(graph_shape, shape, strict=True)
+    )
 
 
 def _described(node) -> dict:

@@ -5,6 +5,7 @@ constructor loads), then `predict(inputs)` or `predict(inputs, parameters)`
 with `inputs: dict[str, numpy.ndarray]`, expecting `dict[str, numpy.ndarray]`
 back. Optional methods: `metadata()`, `handle(method, request_bytes)`, `close()`.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,7 +15,7 @@ import sys
 from typing import Any
 
 
-def load(path: str) -> "PythonModel":
+def load(path: str) -> PythonModel:
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     folder = os.path.dirname(source)
     # Helper modules next to model.py are importable, as a user would expect.

@@ -5,6 +5,7 @@ is passed to forward(); what forward() returns is named the way Triton names
 it: a tensor is `output__0`, a tuple or list gives `output__0`, `output__1`...,
 and a dict keeps its keys.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from workers.formats import common
 INPUT_NAME = "input__0"
 
 
-def load(path: str) -> "TorchScriptModel":
+def load(path: str) -> TorchScriptModel:
     import torch
 
     module = torch.jit.load(common.model_file(path, "pytorch"), map_location="cpu")
@@ -33,7 +34,9 @@ class TorchScriptModel:
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         array = common.first_input(inputs)
         if array.dtype.kind not in "biuf":
-            raise v2.InvalidInput(f"input is {common.datatype_of(array.dtype)}; TorchScript models take numbers")
+            raise v2.InvalidInput(
+                f"input is {common.datatype_of(array.dtype)}; TorchScript models take numbers"
+            )
         # A copy: received tensors are read-only views of the request, and a
         # module may write into its input.
         tensor = self.torch.from_numpy(np.array(array))
@@ -44,8 +47,11 @@ class TorchScriptModel:
     def metadata(self) -> dict:
         # TorchScript keeps argument names but neither datatypes nor shapes: those stay unknown.
         inputs = [common.tensor(name, "", []) for name in self._argument_names()]
-        return {"platform": "pytorch_libtorch", "inputs": inputs,
-                "outputs": [common.tensor("output__0", "", [])]}
+        return {
+            "platform": "pytorch_libtorch",
+            "inputs": inputs,
+            "outputs": [common.tensor("output__0", "", [])],
+        }
 
     def _argument_names(self) -> list[str]:
         try:

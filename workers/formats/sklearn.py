@@ -5,6 +5,7 @@ first input tensor goes to the estimator as it is; outputs are named as
 MLServer names them: `predict`, and `predict_proba` only when the request
 asks for it (it costs a second pass) and the estimator has it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +17,7 @@ PREDICT_PROBA = "predict_proba"
 INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
 
 
-def load(path: str) -> "SklearnModel":
+def load(path: str) -> SklearnModel:
     import joblib  # scikit-learn's own dependency; it reads plain pickles too
 
     estimator = joblib.load(common.model_file(path, "sklearn"))
@@ -54,8 +55,11 @@ class SklearnModel:
 
     def metadata(self) -> dict:
         # Without n_features_in_ (a text pipeline, say) the input is not known.
-        described = common.tensor(INPUT_NAME, "FP64", [-1, self.n_features]) if self.n_features \
+        described = (
+            common.tensor(INPUT_NAME, "FP64", [-1, self.n_features])
+            if self.n_features
             else common.tensor(INPUT_NAME, "", [-1])
+        )
         classes = getattr(self.estimator, "classes_", None)
         label = common.datatype_of(classes.dtype) if isinstance(classes, np.ndarray) else "FP64"
         outputs = [common.tensor(PREDICT, label, [-1])]

@@ -4,6 +4,7 @@ modelPath is the file or the folder holding it. The first input tensor is a
 batch of feature rows; the output `predict` is what Booster.predict gives
 (labels, scores or, for multi:softprob, one probability per class).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ PREDICT = "predict"
 INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
 
 
-def load(path: str) -> "XGBoostModel":
+def load(path: str) -> XGBoostModel:
     import xgboost
 
     booster = xgboost.Booster()
@@ -41,10 +42,13 @@ class XGBoostModel:
         return {PREDICT: self._predict(rows)}
 
     def metadata(self) -> dict:
-        return {"platform": "xgboost",
-                "inputs": [common.tensor(INPUT_NAME, "FP32", [-1, self.n_features])],
-                "outputs": [common.tensor(PREDICT, common.datatype_of(self.sample.dtype),
-                                          [-1, *self.sample.shape[1:]])]}
+        return {
+            "platform": "xgboost",
+            "inputs": [common.tensor(INPUT_NAME, "FP32", [-1, self.n_features])],
+            "outputs": [
+                common.tensor(PREDICT, common.datatype_of(self.sample.dtype), [-1, *self.sample.shape[1:]])
+            ],
+        }
 
     def close(self) -> None:
         pass
