@@ -30,15 +30,13 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
-import multiprocessing.forkserver
-import multiprocessing.resource_tracker
 import os
 import signal
 import time
 
 import workers.main
-from plumbing import lifeline, stacks, titles
-from runtime import status
+from plumbing import lifeline, stacks
+from runtime import forkserver, heartbeat, status
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
@@ -47,14 +45,12 @@ from workers import protocol
 
 log = logging.getLogger("mesh.pool")
 
-HEARTBEAT_SECONDS = 1.0
-# A worker that hears nothing from the front for this long exits: a backstop
-# behind the parent-death signal (the front pings every HEARTBEAT_SECONDS).
+# A worker that hears nothing from the front for this long exits, if the front
+# is gone: a backstop behind the parent-death signal (runtime/heartbeat.py pings).
 WORKER_SILENCE_LIMIT = 10.0
-# The heartbeat waking this much later than due means the front's own loop was stalled.
-STALL_SECONDS = 1.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0
+_PING = protocol.header(protocol.OP_PING)
 
 
 class WorkerPool:
@@ -90,28 +86,18 @@ class WorkerPool:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
         self._start_forkserver()
         self.channel.start()
-        self._heartbeat = self._background(self._heartbeat_forever(), "heartbeat")
+        silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
+        self._heartbeat = self._background(heartbeat.beat_forever(self, silence_limit), "heartbeat")
         await self._refill()
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self._spares))
 
     def _start_forkserver(self) -> None:
-        # Called on the main thread on purpose: the fork server's parent-death
-        # signal follows the thread that forked it.
-        os.environ[protocol.PRELOAD_ENV] = ",".join(self.settings.worker_preload)
-        os.environ[titles.RUNTIME_DIR_ENV] = self.settings.runtime_dir  # for the fork server's title
-        self._context.set_forkserver_preload(["workers.preload"])
-        multiprocessing.forkserver.ensure_running()
-        # multiprocessing keeps the fork server's pid in a private field; the
-        # resource tracker (the front's other child) is left unrecorded: it
-        # cannot carry our title, so a purge could never tell it from a
-        # stranger's process, and it exits by itself once the front, the fork
-        # server and the workers are gone (the last end of its pipe closes).
-        forkserver_pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-        if forkserver_pid is None:
+        pid = forkserver.start(self._context, self.settings.worker_preload, self.settings.runtime_dir)
+        if pid is None:
             log.warning("cannot find the fork server's pid; a later front will not purge it if it is left")
         else:
-            self.registry.add(forkserver_pid)
+            self.registry.add(pid)
 
     async def close(self) -> None:
         """Kills every worker, waits until each is reaped, stops the fork server."""
@@ -127,7 +113,7 @@ class WorkerPool:
             self.kill(worker, KillCause.SHUTDOWN, "the front is stopping")
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
-        await asyncio.get_running_loop().run_in_executor(self._spawner, _stop_multiprocessing_helpers)
+        await asyncio.get_running_loop().run_in_executor(self._spawner, forkserver.stop)
         self._spawner.shutdown(wait=True)
         await self.channel.close()
 
@@ -376,65 +362,15 @@ class WorkerPool:
             pass
         return code
 
-    async def _heartbeat_forever(self) -> None:
-        """Pings every worker each second; kills one that stays silent while it should not be.
-
-        Silence is judged only over time the front itself was running: after
-        a stall of the event loop (a hostile request, a paused container)
-        every worker's answers are still queued unread, so each is given a
-        fresh silence limit rather than killed for the front's own delay.
-        """
-        ping = protocol.header(protocol.OP_PING)
-        silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
-        due = time.monotonic() + HEARTBEAT_SECONDS
-        while True:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            now = time.monotonic()
-            late = now - due
-            due = now + HEARTBEAT_SECONDS
-            if late > STALL_SECONDS:
-                log.warning(
-                    "the front's event loop stalled for %.1f s; no worker is judged on that silence", late
-                )
-                for worker in self._workers.values():
-                    worker.last_seen = max(worker.last_seen, now)
-            for worker in list(self._workers.values()):
-                if worker.state in (WorkerState.STARTING, WorkerState.CONDEMNED, WorkerState.EXITED):
-                    continue
-                # A worker running a load or a call (one thread) cannot answer:
-                # LOADTIME_TIMEOUT and WORKER_REQUEST_TIMEOUT_MS watch those.
-                if not worker.busy and now - worker.last_seen > silence_limit:
-                    self.kill(
-                        worker,
-                        KillCause.HUNG,
-                        f"hung: no heartbeat answer for {now - worker.last_seen:.1f} s",
-                    )
-                    continue
-                try:
-                    self.channel.send(worker.identity, ping)
-                except PeerGone:
-                    pass  # it is dying; the sentinel will report it
+    def ping(self, worker: Worker) -> None:
+        """One heartbeat; the worker answers pong unless it is busy or hung (runtime/heartbeat.py)."""
+        try:
+            self.channel.send(worker.identity, _PING)
+        except PeerGone:
+            pass  # it is dying; the sentinel will report it
 
     def _background(self, coroutine, name: str) -> asyncio.Task:
         task = asyncio.create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _stop_multiprocessing_helpers() -> None:
-    """Stops and reaps the fork server and the resource tracker.
-
-    multiprocessing offers no public call for this; its own tests use _stop().
-    Both would also exit on their own once this process is gone.
-    """
-    for helper in (
-        getattr(multiprocessing.forkserver, "_forkserver", None),
-        getattr(multiprocessing.resource_tracker, "_resource_tracker", None),
-    ):
-        stop = getattr(helper, "_stop", None)
-        if stop is not None:
-            try:
-                stop()
-            except (OSError, ChildProcessError) as error:
-                log.warning("stopping a multiprocessing helper: %s", error)

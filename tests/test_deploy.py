@@ -32,7 +32,7 @@ import zipfile
 
 import pytest
 
-from runtime import rundir, settings
+from runtime import envparse, rundir, settings
 from workers import formats
 
 try:
@@ -50,7 +50,7 @@ RESERVED_CONTAINER_NAMES = {"mm", "rest-proxy", "puller"}
 RESERVED_CONTAINER_PREFIX = "mm-"
 # Ports a runtime container may not declare: model-mesh's own (the runtime also
 # refuses to listen on these) plus 8085, which the runtime listens on undeclared.
-UNDECLARABLE_PORTS = settings.RESERVED_PORTS | {8085}
+UNDECLARABLE_PORTS = envparse.RESERVED_PORTS | {8085}
 # The formats issue 4 brings; the ServingRuntime must advertise each of them.
 EXPECTED_FORMAT_NAMES = {"python", "custom", "sklearn", "xgboost", "lightgbm", "onnx", "pytorch"}
 KNOWN_VARIABLES = {var.name: var for var in settings.VARIABLES}
@@ -121,7 +121,7 @@ def test_both_endpoints_are_the_runtime_default_port(spec):
     assert spec["grpcDataEndpoint"] == "port:8085"
     port = int(spec["grpcEndpoint"].removeprefix("port:"))
     assert port == KNOWN_VARIABLES["RUNTIME_PORT"].default
-    assert port not in settings.RESERVED_PORTS, "the runtime refuses to listen on a model-mesh port"
+    assert port not in envparse.RESERVED_PORTS, "the runtime refuses to listen on a model-mesh port"
 
 
 @pytest.mark.parametrize("fmt", formats.FORMATS, ids=lambda fmt: fmt.name)

@@ -1,5 +1,6 @@
 """Configuration: typed, validated at start, one-line errors, --help and README in step."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -101,9 +102,9 @@ def test_readme_table_is_generated_from_settings():
 
 
 def test_uvloop_chosen_but_not_installed_names_the_way_out_and_the_default_falls_back(monkeypatch):
-    real_find_spec = config.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        config.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *rest: None if name == "uvloop" else real_find_spec(name, *rest),
     )
