@@ -55,10 +55,11 @@ def _caller_cancelled() -> bool:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, metrics: Metrics):
+    def __init__(self, settings: Settings, metrics: Metrics, pool_factory=WorkerPool):
+        """pool_factory(settings, on_worker_exit) makes the pool; tests hand in a fake one."""
         self.settings = settings
         self.metrics = metrics
-        self.pool = WorkerPool(settings, self._on_worker_exit)
+        self.pool = pool_factory(settings, self._on_worker_exit)
         self.capacity_bytes = 0  # as last reported to model-mesh
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
