@@ -122,7 +122,7 @@ class InferenceService(grpc.GenericRpcHandler):
         method = handler_call_details.method
         forwarded = self._forwarded.get(method)
         kept = forwarded is not None  # handlers for custom methods are not kept: clients choose those names
-        if not kept:
+        if forwarded is None:
             handler = self._handlers.get(method)
             if handler is not None or not self.allow_any_method or method.startswith(NEVER_FORWARDED):
                 return handler
@@ -134,7 +134,8 @@ class InferenceService(grpc.GenericRpcHandler):
         key = (method, header_id)
         handler = self._routed.get(key)
         if handler is None:
-            forward = functools.partial(InferenceService._forward, self, *forwarded, header_id)
+            method_name, label = forwarded
+            forward = functools.partial(InferenceService._forward, self, method_name, label, header_id)
             handler = grpc.stream_unary_rpc_method_handler(forward)  # read under the budget
             if kept:
                 if len(self._routed) >= ROUTED_HANDLERS_MAX:

@@ -109,11 +109,6 @@ class AdminServer:
         self.path = socket_path(settings.runtime_dir)
         self.commands = {name: importlib.import_module(f"runtime.admin.{name}") for name in COMMANDS}
         self._context = zmq.asyncio.Context()
-        self._socket = None
-        self._monitor = None
-        self._tasks: list[asyncio.Task] = []
-
-    def start(self) -> None:
         # ROUTER with the REQ envelope handled here, not REP: REP's state machine
         # fails (EFSM) on any message that is not exactly one REQ request.
         self._socket = self._context.socket(zmq.ROUTER)
@@ -121,9 +116,12 @@ class AdminServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         # An answer that cannot be delivered raises, so it is logged rather than lost unseen.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
         self._socket.bind(f"ipc://{self.path}")
         os.chmod(self.path, 0o600)
-        self._monitor = self._socket.get_monitor_socket(HANDSHAKE_FAILURES)
         self._tasks = [
             asyncio.create_task(self._serve_forever(), name="admin"),
             asyncio.create_task(self._log_handshake_failures(), name="admin-monitor"),
@@ -136,10 +134,9 @@ class AdminServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._socket is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-            self._socket.close(linger=0)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
         self._context.term()
 
     async def _serve_forever(self) -> None:
@@ -169,7 +166,7 @@ class AdminServer:
 
     async def answer(self, name: str, args: list[str]) -> dict:
         if name == "help":
-            return {"ok": True, "result": {n: m.__doc__.strip() for n, m in self.commands.items()}}
+            return {"ok": True, "result": {n: (m.__doc__ or "").strip() for n, m in self.commands.items()}}
         command = self.commands.get(name)
         if command is None:
             return {"ok": False, "error": f"unknown command {name!r}; commands: help, {', '.join(COMMANDS)}"}
