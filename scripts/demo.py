@@ -31,12 +31,14 @@ import numpy as np
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "scripts"), os.path.join(REPO, "tests")]
+# Run by path, Python looks for imports in scripts/ (make_examples.py) but not in the
+# repository's top folder, which holds meshtest/.
+sys.path.insert(0, REPO)
 
-import harness  # noqa: E402  (tests/harness.py: the runtime as a child process)
 import make_examples  # noqa: E402  (scripts/make_examples.py)
-from harness import MiB, alive, mesh_headers  # noqa: E402
 
+from meshtest import harness  # noqa: E402  (the runtime as a child process)
+from meshtest.harness import MiB, alive, mesh_headers  # noqa: E402
 from protos import grpc_predict_v2_pb2 as v2  # noqa: E402
 from protos import model_runtime_pb2 as mm  # noqa: E402
 
@@ -63,7 +65,7 @@ def mib(size: float) -> str:
 
 
 class DemoRuntime(harness.Runtime):
-    """The tests' runtime (tests/harness.py: `python -m runtime` in private temp folders, with gRPC
+    """The tests' runtime (meshtest/harness.py: `python -m runtime` in private temp folders, with gRPC
     stubs), reporting what it finds instead of asserting: the demo prints it."""
 
     def __init__(self):

@@ -1,16 +1,11 @@
-"""scripts/bench_instructions.py: reading callgrind's counters.
+"""bench/instructions.py: reading callgrind's counters.
 
 The valgrind runs themselves are in scripts/bench.
 """
 
-import os
-import sys
-
 import pytest
-from harness import REPO
 
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-import bench_instructions  # noqa: E402
+from bench import instructions as bench_instructions
 
 
 def test_counts_come_from_the_dump_of_that_process(tmp_path, monkeypatch):

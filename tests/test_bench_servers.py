@@ -1,15 +1,17 @@
-"""scripts/canned_server.py, the reference servers of the data-plane benchmark (cases a and a2)."""
+"""bench/canned_server.py, the reference servers of the data-plane benchmark (cases a and a2)."""
 
 import asyncio
 import os
 import signal
 import subprocess
-import sys
 
 import grpc
 import psutil
 import pytest
 from harness import REPO, expect_status, free_port, wait_until
+
+from bench import canned_server
+from bench.servers import canned_command
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 ANSWER = b"\x0a\x04echo"  # a ModelInferResponse with model_name "echo"
@@ -24,15 +26,8 @@ def start_canned(tmp_path):
         answer.write_bytes(ANSWER)
         port = free_port()
         process = subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(REPO, "scripts", "canned_server.py"),
-                "--port",
-                str(port),
-                "--response",
-                str(answer),
-                *options,
-            ],
+            canned_command(port, str(answer), *options),
+            cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
         )
@@ -93,8 +88,6 @@ def test_hop_child_ends_with_its_server(start_canned, how):
 
 def test_hop_drops_the_answer_to_a_call_its_client_gave_up():
     """grpc cancels a call whose client went away; its late answer must not break the next ones."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import canned_server
 
     async def scenario():
         errors = []

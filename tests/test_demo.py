@@ -97,6 +97,25 @@ def test_demo_leaves_no_process(demo):
 
 
 def test_scripts_parse():
-    for script in ("demo", "make-examples", "test"):
+    for script in ("demo", "make-examples", "test", "bench", "lint"):
         subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", script)], check=True)
     assert make_examples.main([]) == 2  # usage
+
+
+def test_bench_prints_its_usage():
+    # What scripts/bench runs, without measuring anything.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: scripts/bench ")
+    for flag in (
+        "--loads",
+        "--json",
+        "--skip-dataplane",
+        "--dataplane-only",
+        "--instructions-only",
+        "--rounds",
+    ):
+        assert flag in done.stdout
+    assert "--peer {mlserver}" in done.stdout

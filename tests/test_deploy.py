@@ -54,6 +54,11 @@ UNDECLARABLE_PORTS = envparse.RESERVED_PORTS | {8085}
 # The formats issue 4 brings; the ServingRuntime must advertise each of them.
 EXPECTED_FORMAT_NAMES = {"python", "custom", "sklearn", "xgboost", "lightgbm", "onnx", "pytorch"}
 KNOWN_VARIABLES = {var.name: var for var in settings.VARIABLES}
+# Top-level packages that are development tools, run from a checkout and never installed:
+# the mesh-like client of the tests, the demo and the benchmark, and the benchmark itself.
+# Every other top-level package must be in setup.cfg's `packages` (the image installs only
+# those); these must not be, and .dockerignore keeps them out of the build context.
+DEV_PACKAGES = {"meshtest", "bench"}
 
 
 # ---------------------------------------------------------------- ServingRuntime
@@ -518,6 +523,40 @@ def test_every_subpackage_is_packaged():
             if "__init__.py" in names:
                 package = os.path.relpath(folder, REPO).replace(os.sep, ".")
                 assert package in packages, f"{package} is not listed in setup.cfg [options] packages"
+
+
+def configured_packages() -> set[str]:
+    config = configparser.ConfigParser()
+    config.read(os.path.join(REPO, "setup.cfg"))
+    return set(config["options"]["packages"].replace(",", " ").split())
+
+
+def top_level_packages() -> set[str]:
+    """The repository's top folders that are Python packages (hold an __init__.py)."""
+    return {
+        name
+        for name in os.listdir(REPO)
+        if not name.startswith(".") and os.path.isfile(os.path.join(REPO, name, "__init__.py"))
+    }
+
+
+def test_every_top_level_package_is_packaged_or_dev_only():
+    # A new top-level package would otherwise pass test_every_subpackage_is_packaged
+    # unnoticed, since that test only walks the packages setup.cfg already names.
+    packaged = {package.split(".")[0] for package in configured_packages()}
+    for top in top_level_packages():
+        assert (top in packaged) != (top in DEV_PACKAGES), (
+            f"{top}/ must be either in setup.cfg [options] packages or in DEV_PACKAGES, not "
+            + ("both" if top in packaged else "neither")
+        )
+    assert DEV_PACKAGES <= top_level_packages(), "DEV_PACKAGES names a folder that is not a package"
+
+
+@pytest.mark.parametrize("package", sorted(DEV_PACKAGES))
+def test_dev_packages_stay_out_of_the_image(package):
+    assert not {p for p in configured_packages() if p.split(".")[0] == package}
+    assert dockerignored(package), f".dockerignore does not leave out {package}/"
+    assert dockerignored(f"{package}/__init__.py")
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Instructions per ModelInfer call, counted by valgrind's callgrind: a figure that does not swing.
 
 On this shared 2-core machine req/s of the same build moves by a third
@@ -6,7 +5,7 @@ between runs, which hides any change worth less than that. The number of
 instructions a process executes per call barely moves (under 1 % between
 runs), so this benchmark counts them, for the processes that do the work:
 
-  (a)  scripts/canned_server.py, the bare grpc.aio server of the data-plane bench
+  (a)  bench/canned_server.py, the bare grpc.aio server of the data-plane bench
   (a2) its --hop variant's front, on uvloop as mesh-runtime's front (the child
        that answers is not counted)
   (b)  mesh-runtime's front process serving the echo model (default event
@@ -22,7 +21,7 @@ system call or a cache miss costs more than an add), but fewer of them for
 the same calls is less work, and the figure moves only when the code does.
 valgrind is installed with apt-get when it is missing and we are root.
 
-usage: scripts/bench_instructions.py [--calls N] [--json PATH]
+usage: .venv/bin/python -m bench.instructions [--calls N] [--json PATH]
        (or scripts/bench --instructions-only)
 """
 
@@ -38,31 +37,18 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "scripts")]
+import zmq
 
-import bench_dataplane as dataplane  # noqa: E402
-import harness  # noqa: E402
-import zmq  # noqa: E402
-
-from workers import protocol  # noqa: E402
+from bench.common import REPO, progress
+from bench.h2load import Target, h2load_command
+from bench.installers import ensure_h2load, ensure_valgrind
+from bench.payloads import SMALL, echo_response, expect_anything, mesh_header_lines, small_request
+from bench.servers import RUNTIME_ENV, canned_command, stop_process, wait_port
+from meshtest import harness
+from workers import protocol
 
 WARMUP_CALLS = 300
 WORKER_IN_FLIGHT = 3
-
-
-def ensure_valgrind() -> str:
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        if os.geteuid() != 0 or shutil.which("apt-get") is None:
-            raise RuntimeError("valgrind is missing: install the Debian package valgrind")
-        dataplane.progress("installing valgrind (apt-get install valgrind)")
-        subprocess.run(
-            "apt-get update -q && apt-get install -y -q valgrind",
-            shell=True,
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-    return subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
 
 
 def callgrind(folder: str, name: str) -> tuple[str, ...]:
@@ -99,17 +85,17 @@ class Counted:
 
 
 def h2load_calls(port: int, calls: int, folder: str) -> None:
-    target = dataplane.Target(
+    target = Target(
         "x",
-        dataplane.SMALL,
+        SMALL,
         port,
-        dataplane.small_request("echo"),
-        dataplane.mesh_header_lines("echo"),
-        dataplane.expect_anything,
+        small_request("echo"),
+        mesh_header_lines("echo"),
+        expect_anything,
         None,
         folder,
     )
-    command = [*dataplane.h2load_command(target, 16, "-n", str(calls)), target.url]
+    command = [*h2load_command(target, 16, "-n", str(calls)), target.url]
     out = subprocess.run(command, capture_output=True, text=True, timeout=600).stdout
     if f"{calls} succeeded" not in out:
         raise RuntimeError(f"h2load: not every call succeeded:\n{out[-600:]}")
@@ -126,28 +112,20 @@ def canned(folder: str, calls: int, hop: bool) -> float:
     name = "hop" if hop else "canned"
     answer = os.path.join(folder, "answer.bin")
     with open(answer, "wb") as f:
-        f.write(dataplane.echo_response("echo", False))
+        f.write(echo_response("echo", False))
     port = harness.free_port()
     process = subprocess.Popen(
-        [
-            *callgrind(folder, name),
-            sys.executable,
-            os.path.join(REPO, "scripts", "canned_server.py"),
-            "--port",
-            str(port),
-            "--response",
-            answer,
-            *(["--hop", "--uvloop"] if hop else []),
-        ],
+        [*callgrind(folder, name), *canned_command(port, answer, *(["--hop", "--uvloop"] if hop else []))],
+        cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=open(os.path.join(folder, f"{name}.log"), "w"),
         start_new_session=True,
     )
     try:
-        dataplane.wait_port(port, process, os.path.join(folder, f"{name}.log"), 120)
+        wait_port(port, process, os.path.join(folder, f"{name}.log"), 120)
         return per_call(Counted(folder, name, process.pid), lambda n: h2load_calls(port, n, folder), calls)
     finally:
-        dataplane.stop_process(process)
+        stop_process(process)
 
 
 def front(folder: str, calls: int) -> float:
@@ -155,7 +133,7 @@ def front(folder: str, calls: int) -> float:
         command_prefix=callgrind(folder, "front"),
         preload_frameworks=True,
         BUSY_POLL_US="0",
-        **dataplane.RUNTIME_ENV,
+        **RUNTIME_ENV,
     )
     try:
         rt.start(wait_ready=False)
@@ -189,7 +167,7 @@ def worker(folder: str, calls: int) -> float:
         header, *_ = protocol.split(router.recv_multipart()[1:])
         if not header.get("ok"):
             raise RuntimeError(f"the worker did not load the echo model: {header}")
-        body = dataplane.small_request("echo")
+        body = small_request("echo")
         ids = iter(range(2, 1 << 62))
 
         def send() -> None:
@@ -220,7 +198,7 @@ def worker(folder: str, calls: int) -> float:
 
 
 def run(calls: int) -> dict:
-    figures = {"valgrind": ensure_valgrind(), "h2load": dataplane.ensure_h2load(), "calls": calls}
+    figures = {"valgrind": ensure_valgrind(), "h2load": ensure_h2load(), "calls": calls}
     folder = tempfile.mkdtemp(prefix="mr-instructions-")
     cases = [
         ("(a) grpc.aio canned", lambda: canned(folder, calls, hop=False)),
@@ -230,7 +208,7 @@ def run(calls: int) -> dict:
     ]
     figures["cases"] = {}
     for case, measure in cases:
-        dataplane.progress(f"{case} under callgrind ({calls} calls)")
+        progress(f"{case} under callgrind ({calls} calls)")
         figures["cases"][case] = round(measure())
     shutil.rmtree(folder, ignore_errors=True)
     return figures
@@ -247,7 +225,7 @@ def print_report(figures: dict) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000, help="calls counted per case (default 1000)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     args = parser.parse_args()

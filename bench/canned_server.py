@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """A bare grpc.aio server that answers ModelInfer with fixed bytes: the ceiling of a Python front.
 
-Case (a) of the data-plane benchmark (scripts/bench_dataplane.py). One generic
+Case (a) of the data-plane benchmark (bench/plan.py). One generic
 handler with no deserialiser and no serialiser: grpc hands it the request
 bytes, it returns a serialised ModelInferResponse prepared at start, and
 never looks at the request. Whatever mesh-runtime does on top of this (find
@@ -15,7 +14,8 @@ That is the bare shape of mesh-runtime's hop, without anything mesh-runtime
 does around it (routing, replicas, deadlines, metrics, V2 decode and encode
 in the worker).
 
-usage: scripts/canned_server.py [--port N] [--hop] [--uvloop] [--response FILE | --elements N [--raw]]
+usage: .venv/bin/python -m bench.canned_server [--port N] [--hop] [--uvloop]
+                                              [--response FILE | --elements N [--raw]]
 
   --response FILE   answer with FILE's bytes (a serialised ModelInferResponse)
   --elements N      else build an FP32 [1, N] response (default 4, typed
@@ -41,11 +41,8 @@ import sys
 import grpc
 import zmq
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from plumbing import lifeline, priority  # noqa: E402
-from workers import protocol  # noqa: E402
+from plumbing import lifeline, priority
+from workers import protocol
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MESSAGE_LIMIT = 64 * 1024 * 1024

@@ -1,0 +1,240 @@
+"""The benchmark's tables: figures against their targets, each row PASS or MISS.
+
+The life-cycle table (load latency, idle spare USS, memory returned, predictModelSize) and
+the data-plane table with the ratios its targets are set in. A target missed is MISS, never
+an error: benchmarks report, they do not fail.
+"""
+
+from __future__ import annotations
+
+from bench.common import MiB
+from bench.h2load import CHECK_CALLS, POST_CHECK_CALLS
+from bench.lifecycle import ALLOC_MIB, SIZE_CALLS
+from bench.payloads import BIG, SMALL
+
+# -- the life-cycle table ---------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def rows_load(r: dict, loads: int) -> list[tuple]:
+    return [
+        (
+            f"load from warm spare, p50 ({loads} loads)",
+            f"{r['load_p50_ms']:.1f} ms",
+            "p50 <= 10 ms",
+            verdict(r["load_p50_ms"] <= 10),
+        ),
+        ("load from warm spare, p99", f"{r['load_p99_ms']:.1f} ms", "", ""),
+        ("unload, p50 / p99", f"{r['unload_p50_ms']:.1f} / {r['unload_p99_ms']:.1f} ms", "", ""),
+    ]
+
+
+def rows_idle(r: dict) -> list[tuple]:
+    each = ", ".join(f"{s:.2f}" for s in r["spare_uss_mib"])
+    return [
+        ("idle spare USS, median", f"{r['median_mib']:.2f} MiB", "<= 6 MiB", verdict(r["median_mib"] <= 6)),
+        ("idle spare USS, each", f"{each} MiB", "", ""),
+    ]
+
+
+def rows_memory(r: dict) -> list[tuple]:
+    return [
+        ("tree USS before load (settled)", f"{r['before_mib']:.1f} MiB", "", ""),
+        (f"tree USS with {ALLOC_MIB} MiB model", f"{r['loaded_mib']:.1f} MiB", "", ""),
+        ("  measured growth", f"{r['growth_mib']:.1f} MiB", "", ""),
+        ("  reported sizeInBytes", f"{r['reported_mib']:.1f} MiB", "", ""),
+        ("  ratio reported / growth", f"{r['ratio']:.3f}", "1 +- 10 %", verdict(abs(r["ratio"] - 1) <= 0.10)),
+        ("tree USS after unload (settled)", f"{r['after_mib']:.1f} MiB", "", ""),
+        (
+            "  after - before",
+            f"{r['returned_diff_mib']:+.2f} MiB",
+            "within 2 MiB",
+            verdict(abs(r["returned_diff_mib"]) <= 2),
+        ),
+    ]
+
+
+def rows_size(r: dict) -> list[tuple]:
+    return [
+        (
+            f"predictModelSize, p50 ({SIZE_CALLS} calls)",
+            f"{r['p50_ms']:.2f} ms",
+            "< 5 ms",
+            verdict(r["p50_ms"] < 5),
+        ),
+        ("predictModelSize, p99", f"{r['p99_ms']:.2f} ms", "< 5 ms", verdict(r["p99_ms"] < 5)),
+        (
+            "  predicted size of the echo model",
+            " / ".join(f"{b / MiB:.1f}" for b in r["size_bytes"]) + " MiB",
+            "",
+            "",
+        ),
+    ]
+
+
+def print_lifecycle(sections: list[tuple[str, list[tuple]]]) -> None:
+    header = ("measure", "value", "target", "")
+    widths = [max(len(str(row[i])) for _, rows in sections for row in [header, *rows]) for i in range(4)]
+    line = "  ".join("-" * w for w in widths)
+
+    def show(row):
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+    show(header)
+    for title, rows in sections:
+        print(line)
+        print(title)
+        for row in rows:
+            show(row)
+
+
+# -- the data-plane table ---------------------------------------------------------------------
+
+
+def _find(points: list[dict], case_prefix: str, payload: str, c: int) -> dict | None:
+    for p in points:
+        if p["case"].startswith(case_prefix) and p["payload"] == payload and p["concurrency"] == c:
+            return None if "error" in p else p
+    return None
+
+
+def targets(points: list[dict], peer: str | None) -> list[dict]:
+    """The issue's targets: each with its value, or why it has none."""
+
+    def ratio(name, num, den, c, payload, goal, peer_needed=False):
+        """goal None: a ratio shown for reading the others, with no target of its own."""
+        a, b = _find(points, num, payload, c), _find(points, den, payload, c)
+        if goal is None:
+            target = "(reference)"
+        else:
+            target = f">= {goal:g}x" if goal >= 1 else f">= {goal:.0%}"
+        row = {"measure": name, "target": target}
+        if a and b:
+            value = a["req_s"] / b["req_s"]
+            show = (lambda v: f"{v:.2f}x") if goal and goal >= 1 else (lambda v: f"{v:.0%}")
+            # With --rounds, the same ratio within each round too (rounds are interleaved,
+            # so a burst of noise hits both sides of a round alike).
+            rounds = zip(a.get("rounds_req_s", []), b.get("rounds_req_s", []), strict=False)
+            per_round = [x / y for x, y in rounds]
+            shown = show(value) + (
+                f" (rounds: {' '.join(map(show, per_round))})" if len(per_round) > 1 else ""
+            )
+            verdict = "" if goal is None else "PASS" if value >= goal else "MISS"
+            row.update(value=value, rounds=per_round, shown=shown, verdict=verdict)
+        else:
+            row.update(
+                value=None,
+                shown="n/a",
+                verdict="" if peer_needed and not peer else "n/a",
+                why="needs --peer mlserver" if peer_needed and not peer else "a point failed",
+            )
+        return row
+
+    rows = [
+        ratio("(b) / (a) req/s, FP32 [1,4], c=16", "(b)", "(a)", 16, SMALL, 0.60),
+        ratio("(c) / (d) req/s, FP32 [1,4], c=16", "(c)", "(d)", 16, SMALL, 3, True),
+    ]
+    a, b = _find(points, "(a)", SMALL, 1), _find(points, "(b)", SMALL, 1)
+    row = {"measure": "p50 (b) - p50 (a), FP32 [1,4], c=1", "target": "<= 0.40 ms"}
+    if a and b:
+        value = b["p50_ms"] - a["p50_ms"]
+        row.update(value=value, shown=f"{value:+.3f} ms", verdict="PASS" if value <= 0.4 else "MISS")
+    else:
+        row.update(value=None, shown="n/a", verdict="n/a", why="a point failed")
+    rows.append(row)
+    rows.append(ratio("(b) / (a) req/s, 1 MiB, c=16", "(b)", "(a)", 16, BIG, 0.45))
+    rows.append(ratio("(b) / (d) req/s, 1 MiB, c=16", "(b)", "(d)", 16, BIG, 5, True))
+    # References: what uvloop alone gives (a), what the bare hop keeps of it, and what
+    # mesh-runtime keeps of the hop.
+    rows.append(ratio("(a') / (a) req/s, FP32 [1,4], c=16", "(a')", "(a)", 16, SMALL, None))
+    rows.append(ratio("(b) / (a') req/s, FP32 [1,4], c=16", "(b)", "(a')", 16, SMALL, None))
+    rows.append(ratio("(a2) / (a') req/s, FP32 [1,4], c=16", "(a2)", "(a')", 16, SMALL, None))
+    rows.append(ratio("(b) / (a2) req/s, FP32 [1,4], c=16", "(b)", "(a2)", 16, SMALL, None))
+    return rows
+
+
+def print_dataplane(figures: dict) -> None:
+    print()
+    rounds = f", median of {figures['rounds']} rounds" if figures["rounds"] > 1 else ""
+    print(
+        f"data plane: ModelInfer under h2load {figures['h2load']} (-m 1, -t 1), "
+        f"{figures['duration_s']:g} s per point after a {figures['warmup_s']:g} s warm-up run, "
+        f"cases interleaved{rounds}"
+    )
+    print(
+        f"runtime under test: defaults ({', '.join(f'{k}={v}' for k, v in figures['runtime_env'].items())}, "
+        f"MODEL_REPLICAS=1, WORKER_THREADS=1, LOG_LEVEL=info); "
+        f"iris served by the {figures.get('iris_served_as', '?')}"
+    )
+    for note in figures["notes"]:
+        print(note)
+    print(
+        f"each point: h2load -c C -m 1 -t 1 -D {figures['duration_s']:g}s -d BODY "
+        "-H 'content-type: application/grpc' -H 'te: trailers' "
+        "-H 'mm-model-id-bin: B64' -H 'mm-model-id: ID' http://127.0.0.1:PORT/inference.GRPCInferenceService/ModelInfer"
+        " --log-file LOG (MLServer: no mm- headers, the model name in the request)"
+    )
+    print(f"load average before: {figures['load_average_before']:.2f}")
+    header = ("case", "payload", "c", "req/s", "p50 ms", "p99 ms", "srv cpu/req", "other cpu")
+    rows = []
+    for p in figures["points"]:
+        if "error" in p:
+            rows.append(
+                (p["case"], p["payload"], str(p["concurrency"]), "ERROR", p["error"][:70], "", "", "")
+            )
+        else:
+            rows.append(
+                (
+                    p["case"],
+                    p["payload"],
+                    str(p["concurrency"]),
+                    f"{p['req_s']:,.0f}",
+                    f"{p['p50_ms']:.3f}",
+                    f"{p['p99_ms']:.3f}",
+                    f"{p['server_cpu_us_per_req']:.0f} us",
+                    f"{p['other_cores']:.2f} cores",
+                )
+            )
+    _table(header, rows)
+    print()
+    print("targets (issue 3, item 7)")
+    _table(
+        ("measure", "value", "target", ""),
+        [
+            (t["measure"], t["shown"], t["target"], t["verdict"] or (f"({t['why']})" if t.get("why") else ""))
+            for t in figures["targets"]
+        ],
+    )
+    print(
+        "\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
+        "workers); other cpu: what the rest of the machine used meanwhile"
+    )
+    print(
+        f"check of every point: {CHECK_CALLS} grpc calls before and {POST_CHECK_CALLS} after it "
+        "(status OK, expected outputs), nghttp grpc-status 0 for h2load's body, DATA bytes = "
+        "requests x response size"
+    )
+    print(
+        f"data-plane section: {figures['seconds']:.0f} s ({figures['seconds_setup']:.0f} s of it "
+        "starting servers and loading models)"
+    )
+
+
+def _table(header: tuple, rows: list[tuple]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    numeric = {2, 3, 4, 5, 6, 7} if len(header) == 8 else set()
+
+    def show(row):
+        cells = [
+            str(c).rjust(w) if i in numeric and row is not header else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip())
+
+    show(header)
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        show(row)
