@@ -22,7 +22,7 @@ does). All memory figures are USS read from outside with psutil
 5. The data plane (bench/plan.py, run after the table above with
    its own table): ModelInfer req/s and p50/p99 under h2load at concurrency 1
    and 16 for a bare grpc.aio server, mesh-runtime (echo, scikit-learn iris,
-   1 MiB) and, with --peer mlserver, MLServer 1.7.1; ratios against issue 3's
+   1 MiB) and, with --peer mlserver, MLServer 1.7.1; ratios against the
    targets. --skip-dataplane leaves it out, --dataplane-only runs only it.
 
 --instructions-only runs bench/instructions.py instead: instructions

@@ -102,7 +102,7 @@ def _find(points: list[dict], case_prefix: str, payload: str, c: int) -> dict | 
 
 
 def targets(points: list[dict], peer: str | None) -> list[dict]:
-    """The issue's targets: each with its value, or why it has none."""
+    """The data-plane targets: each with its value, or why it has none."""
 
     def ratio(name, num, den, c, payload, goal, peer_needed=False):
         """goal None: a ratio shown for reading the others, with no target of its own."""
@@ -200,7 +200,7 @@ def print_dataplane(figures: dict) -> None:
             )
     _table(header, rows)
     print()
-    print("targets (issue 3, item 7)")
+    print("targets")
     _table(
         ("measure", "value", "target", ""),
         [

@@ -12,7 +12,7 @@ from harness import REPO
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import make_examples  # noqa: E402  (scripts/make_examples.py)
 
-DEMO_TIMEOUT = 120  # the issue promises under a minute once installed; this is a hang guard
+DEMO_TIMEOUT = 120  # the demo takes under a minute once installed; this is a hang guard
 
 
 def in_session(session: int) -> list[psutil.Process]:

@@ -51,7 +51,7 @@ RESERVED_CONTAINER_PREFIX = "mm-"
 # Ports a runtime container may not declare: model-mesh's own (the runtime also
 # refuses to listen on these) plus 8085, which the runtime listens on undeclared.
 UNDECLARABLE_PORTS = envparse.RESERVED_PORTS | {8085}
-# The formats issue 4 brings; the ServingRuntime must advertise each of them.
+# Every model format the runtime serves; the ServingRuntime must advertise each of them.
 EXPECTED_FORMAT_NAMES = {"python", "custom", "sklearn", "xgboost", "lightgbm", "onnx", "pytorch"}
 KNOWN_VARIABLES = {var.name: var for var in settings.VARIABLES}
 # Top-level packages that are development tools, run from a checkout and never installed:
@@ -138,7 +138,7 @@ def test_every_runtime_format_is_advertised(spec, fmt):
     )
 
 
-def test_the_formats_of_issue_4_are_advertised(spec):
+def test_every_served_format_is_advertised(spec):
     assert EXPECTED_FORMAT_NAMES <= advertised_names(spec)
 
 
