@@ -85,19 +85,7 @@ def python_calls(target: Target, calls: int) -> set[int]:
 
 def nghttp_check(target: Target) -> None:
     """The exact body file h2load sends gets grpc-status 0 (seen by another HTTP/2 client)."""
-    command = [
-        "nghttp",
-        "-v",
-        "-n",
-        "-d",
-        target.body_path,
-        "-H",
-        "content-type: application/grpc",
-        "-H",
-        "te: trailers",
-        *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []),
-        target.url,
-    ]
+    command = ["nghttp", "-v", "-n", *grpc_body_arguments(target), target.url]
     run = subprocess.run(command, capture_output=True, text=True, timeout=60)
     status = re.findall(r"recv \(stream_id=\d+\) grpc-status: (\d+)", run.stdout)
     message = re.findall(r"recv \(stream_id=\d+\) grpc-message: (.*)", run.stdout)
@@ -119,14 +107,14 @@ def h2load_command(target: Target, concurrency: int, *limit: str) -> list[str]:
         "-t",
         "1",
         *limit,
-        "-d",
-        target.body_path,
-        "-H",
-        "content-type: application/grpc",
-        "-H",
-        "te: trailers",
-        *sum((["-H", f"{k}: {v}"] for k, v in target.headers), []),
+        *grpc_body_arguments(target),
     ]
+
+
+def grpc_body_arguments(target: Target) -> list[str]:
+    """The body file and the headers that make an HTTP/2 client's request a gRPC call (h2load, nghttp)."""
+    headers = [("content-type", "application/grpc"), ("te", "trailers"), *target.headers]
+    return ["-d", target.body_path, *(part for name, value in headers for part in ("-H", f"{name}: {value}"))]
 
 
 def run_h2load(target: Target, concurrency: int, seconds: float, log_path: str | None) -> dict:
