@@ -229,18 +229,23 @@ class Runtime:
         if self.process is None:
             return
         processes = tree(self.process.pid) if self.process.poll() is None else []
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.terminate()
         self.channel.close()
         self._log.close()
         if alive(processes):
             wait_until(lambda: not alive(processes), timeout=10, what="the runtime's processes to end")
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def terminate(self) -> None:
+        """SIGTERM and wait for the front to exit; SIGKILL after 30 s."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
     def __enter__(self) -> Runtime:
         return self.start()

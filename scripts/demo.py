@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 
@@ -80,13 +78,7 @@ class DemoRuntime(harness.Runtime):
             return 0, 0.0
         processes = harness.tree(self.pid) if self.process.poll() is None else []
         started = time.monotonic()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.terminate()
         took = time.monotonic() - started
         self.channel.close()
         self._log.close()

@@ -39,3 +39,8 @@ def test_every_name_in_the_architecture_exists(dotted):
         _resolve(dotted)
     except (ImportError, AttributeError) as error:
         pytest.fail(f"docs/architecture.md names {dotted}, which does not exist: {error}")
+
+
+def test_the_readme_is_a_users_document_under_300_lines():
+    with open(os.path.join(REPO, "README.md")) as readme:
+        assert len(readme.read().splitlines()) < 300

@@ -62,3 +62,10 @@ def test_the_front_imports_no_model_code(path):
 
 def test_the_walk_sees_imports_inside_functions():
     assert "uvloop" in imports_of("runtime/server.py")  # imported lazily in event_loop_factory
+
+
+@pytest.mark.parametrize("path", modules_of("runtime") + modules_of("workers"))
+def test_no_module_of_the_front_or_the_workers_is_over_400_lines(path):
+    with open(os.path.join(REPO, path)) as source:
+        lines = len(source.read().splitlines())
+    assert lines <= 400, f"{path} has {lines} lines: split it by concept"

@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from harness import MiB, Runtime, expect_status, mesh_headers, wait_until
+from test_v2 import CONTENTS_FIELD  # the typed contents field of each datatype
 
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.replicas import PIPELINE_DEPTH
@@ -97,20 +98,6 @@ SAMPLES = {
     "FP64": np.array([[0.1, -1e300, 2.5]], dtype=np.float64),
     "BYTES": np.array([[b"a", b"\x00\xff", "é".encode()]], dtype=np.object_),
 }
-TYPED_FIELD = {
-    "BOOL": "bool_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
 NUMPY_TYPE = {name: array.dtype for name, array in SAMPLES.items()}
 
 
@@ -144,16 +131,16 @@ def test_every_datatype_raw_round_trip(echo, datatype):
     np.testing.assert_array_equal(_from_raw(datatype, answer.raw_output_contents[0], array.shape), array)
 
 
-@pytest.mark.parametrize("datatype", [d for d in SAMPLES if d in TYPED_FIELD])
+@pytest.mark.parametrize("datatype", [d for d in SAMPLES if d in CONTENTS_FIELD])
 def test_every_datatype_typed_round_trip(echo, datatype):
     array = SAMPLES[datatype]
     request = v2.ModelInferRequest(model_name="echo")
     tensor = request.inputs.add(name="t", datatype=datatype, shape=array.shape)
-    getattr(tensor.contents, TYPED_FIELD[datatype]).extend(array.ravel().tolist())
+    getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(array.ravel().tolist())
     answer = echo.infer.ModelInfer(request)
     (out,) = answer.outputs
     assert out.datatype == datatype and not answer.raw_output_contents
-    values = np.array(list(getattr(out.contents, TYPED_FIELD[datatype])), dtype=array.dtype)
+    values = np.array(list(getattr(out.contents, CONTENTS_FIELD[datatype])), dtype=array.dtype)
     np.testing.assert_array_equal(values.reshape(array.shape), array)
 
 
