@@ -28,12 +28,19 @@ does). All memory figures are USS read from outside with psutil
 --instructions-only runs bench/instructions.py instead: instructions
 per ModelInfer call under callgrind, which moves only when the code does.
 
+--scale runs bench/scale.py instead: N tiny models of one --format in one
+runtime in its own memory cgroup, in --steps, measured from outside (memory
+per model, reported sizes against it, load and call latencies, idle CPU,
+descriptors; then unloading them all); with --peer mlserver, MLServer with
+the same N sklearn models beside it.
+
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
 usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only]
                      [--peer mlserver] [--rounds N]
        scripts/bench --instructions-only [--json PATH]
+       scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import shutil
 import sys
 import traceback
 
-from bench import instructions, lifecycle, plan, report
+from bench import instructions, lifecycle, plan, report, scale
 from bench.common import progress
 from meshtest import harness
 
@@ -108,6 +115,15 @@ def main() -> int:
         action="store_true",
         help="run only the instruction count per call under callgrind (bench/instructions.py)",
     )
+    parser.add_argument("--scale", action="store_true", help="run only the scale benchmark (bench/scale.py)")
+    parser.add_argument(
+        "--format", default="python", help="scale: the format of the tiny models (default python)"
+    )
+    parser.add_argument(
+        "--steps",
+        default=",".join(map(str, scale.STEPS)),
+        help="scale: models loaded in all after each step (default %(default)s)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -132,6 +148,8 @@ def main() -> int:
     from runtime.settings import Settings
 
     print(f"WORKER_PRELOAD: {','.join(Settings.from_env().worker_preload)}")
+    if args.scale:
+        return run_scale(args, info)
     if args.dataplane_only:
         figures = {}
         ok = run_dataplane(args, figures)
@@ -187,6 +205,19 @@ def run_instructions(args, info: dict) -> int:
     instructions.print_report(figures["instructions"])
     write_json(args, info, figures)
     return 0
+
+
+def run_scale(args, info: dict) -> int:
+    """bench/scale.py: one table, a column per system and step."""
+    try:
+        steps = tuple(int(step) for step in args.steps.split(","))
+    except ValueError:
+        print(f"--steps: {args.steps!r} is not a list of numbers", file=sys.stderr)
+        return 2
+    figures = {"scale": scale.run(args.format, steps, args.peer)}
+    scale.print_report(figures["scale"])
+    write_json(args, info, figures)
+    return 1 if any("error" in v for v in figures["scale"].values() if isinstance(v, dict)) else 0
 
 
 def write_json(args, info: dict, figures: dict) -> None:

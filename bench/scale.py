@@ -1,0 +1,258 @@
+"""scripts/bench --scale: many tiny models in one server, measured from outside, step by step.
+
+One runtime with the product's settings (every installed framework preloaded,
+WORKERS_WARM=2) runs in a memory cgroup of its own (bench/cgroup.py; the PSS
+sum of its tree where none can be made). N tiny iris models of one format
+(scripts/make_examples.py, copied into one folder each, as the puller lays
+them out) are loaded two at a time, as model-mesh does, in steps (default
+50, 200, 500, 1000 models in all). After each step, with the pool settled:
+
+- growth per model: (usage now - usage before the first load) / N;
+- reported / growth: the sum of the sizeInBytes that loadModel returned over
+  that growth (model-mesh packs the pod by those sizes: below 1.00 it
+  over-commits);
+- loadModel p50/p99 of that step's loads, and the first ModelInfer of each
+  freshly loaded model (called right after its load, as traffic arrives);
+- ModelInfer p50/p99 over sequential calls, each to a random loaded model;
+- idle CPU of the whole process tree over 10 s, in % of one core;
+- processes in the tree and the descriptors the front holds open.
+
+Then every model is unloaded, two at a time; the time that takes until every
+model's worker is reaped, and the memory left above the start.
+
+With --peer mlserver, MLServer 1.7.1 (one process, mlserver-sklearn) is
+measured the same way in the same run with the same N sklearn models, loaded
+through its repository API.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+from bench import cgroup
+from bench.common import REPO, MiB, percentile, progress
+from bench.scale_servers import MeshRuntime, MLServerRepository, ScaleServer
+from meshtest import harness
+
+STEPS = (50, 200, 500, 1000)
+LOADERS = 2  # model-mesh loads two models at a time per runtime by default
+RANDOM_CALLS = 500
+IDLE_SECONDS = 10.0
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import make_examples  # noqa: E402  (scripts/make_examples.py)
+
+
+def write_copies(fmt: str, folder: str, count: int) -> list[str]:
+    """`count` folders holding the example model of `fmt`; raises if its framework is missing."""
+    example = next((e for e in make_examples.EXAMPLES if e.format == fmt), None)
+    if example is None:
+        raise ValueError(f"no example model of format {fmt!r}")
+    if example.missing():
+        raise RuntimeError(f"{fmt}: {', '.join(example.missing())} not installed")
+    source = os.path.join(folder, "source")
+    os.makedirs(source)
+    example.build(source, make_examples.iris())
+    copies = []
+    for index in range(count):
+        target = os.path.join(folder, f"{fmt}-{index:04d}")
+        shutil.copytree(source, target)
+        copies.append(target)
+    return copies
+
+
+def timed_ms(call, *args) -> float:
+    start = time.perf_counter()
+    call(*args)
+    return (time.perf_counter() - start) * 1000
+
+
+def idle_cpu_percent(root_pid: int, seconds: float) -> float:
+    """CPU the whole tree used over `seconds` of no traffic, in % of one core."""
+
+    def cpu(processes) -> dict[int, float]:
+        used = {}
+        for process in processes:
+            try:
+                times = process.cpu_times()
+                used[process.pid] = times.user + times.system
+            except Exception:
+                pass
+        return used
+
+    processes = harness.tree(root_pid)
+    before = cpu(processes)
+    time.sleep(seconds)
+    after = cpu(processes)
+    spent = sum(after[pid] - before[pid] for pid in after if pid in before)
+    return 100 * spent / seconds
+
+
+def load_step(server: ScaleServer, indexes: list[int]) -> tuple[list[float], list[float], int, float]:
+    """Loads `indexes` two at a time, each followed by its first call.
+
+    Returns the load times and first-call times in ms, the bytes reported and the seconds it all took.
+    """
+
+    def one(index: int) -> tuple[float, float, int]:
+        start = time.perf_counter()
+        size = server.load(index)
+        loaded = time.perf_counter()
+        server.infer(index)
+        return (loaded - start) * 1000, (time.perf_counter() - loaded) * 1000, size
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(LOADERS) as loaders:
+        results = list(loaders.map(one, indexes))
+    wall = time.perf_counter() - start
+    return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
+
+
+def measure_step(server: ScaleServer, meter: cgroup.Meter, base: int, loaded: int, reported: int) -> dict:
+    server.wait_settled()
+    usage = meter.settled_usage()
+    growth = usage - base
+    calls = [timed_ms(server.infer, random.randrange(loaded)) for _ in range(RANDOM_CALLS)]
+    return {
+        "models": loaded,
+        "growth_bytes": growth,
+        "growth_per_model_mib": growth / loaded / MiB,
+        "reported_bytes": reported,
+        # None: nothing to compare (a server that reports no sizes, or no growth seen)
+        "reported_over_growth": reported / growth if growth > 0 and reported else None,
+        "infer_p50_ms": percentile(calls, 50),
+        "infer_p99_ms": percentile(calls, 99),
+        "idle_cpu_percent": idle_cpu_percent(server.root_pid(), IDLE_SECONDS),
+        "processes": len(harness.alive(harness.tree(server.root_pid()))),
+        "front_fds": server.front_fds(),
+    }
+
+
+def unload_all(server: ScaleServer, meter: cgroup.Meter, base: int, loaded: int) -> dict:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(LOADERS) as unloaders:
+        list(unloaders.map(server.unload, range(loaded)))
+    server.wait_unloaded()
+    seconds = time.perf_counter() - start
+    left = meter.settled_usage() - base
+    return {"unload_all_s": seconds, "left_bytes": left}
+
+
+def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...]) -> dict:
+    """Every step on one started server; a step that fails ends the run with what was measured."""
+    server.wait_settled()
+    base = meter.settled_usage()
+    figures: dict = {"method": meter.method, "base_bytes": base, "steps": []}
+    loaded, reported = 0, 0
+    try:
+        for target in steps:
+            progress(f"{server.name}: loading models {loaded}..{target - 1}")
+            load_ms, first_ms, added, wall = load_step(server, list(range(loaded, target)))
+            loaded, reported = target, reported + added
+            step = measure_step(server, meter, base, loaded, reported)
+            step.update(
+                load_p50_ms=percentile(load_ms, 50),
+                load_p99_ms=percentile(load_ms, 99),
+                first_call_p50_ms=percentile(first_ms, 50),
+                load_step_s=wall,
+            )
+            figures["steps"].append(step)
+            print_step(server.name, step)
+        progress(f"{server.name}: unloading all {loaded}")
+        figures.update(unload_all(server, meter, base, loaded))
+    except Exception as error:
+        figures["error"] = f"{type(error).__name__}: {error}"[:300]
+        print(f"{server.name}: ERROR {figures['error']}", file=sys.stderr)
+    return figures
+
+
+def print_step(name: str, s: dict) -> None:
+    ratio = "-" if s["reported_over_growth"] is None else f"{s['reported_over_growth']:.2f}"
+    print(
+        f"  {name} N={s['models']}: {s['growth_per_model_mib']:.2f} MiB/model, reported/growth {ratio}, "
+        f"load p50 {s['load_p50_ms']:.1f} ms, first call p50 {s['first_call_p50_ms']:.1f} ms, "
+        f"infer p50 {s['infer_p50_ms']:.2f} ms, idle CPU {s['idle_cpu_percent']:.1f} %",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run(fmt: str = "python", steps: tuple[int, ...] = STEPS, peer: str | None = None) -> dict:
+    """The whole scale benchmark: mesh-runtime with `fmt` models, then the peer with sklearn ones."""
+    figures: dict = {"format": fmt, "steps_wanted": list(steps)}
+    folder = tempfile.mkdtemp(prefix="mr-scale-")
+    try:
+        systems = [("mesh-runtime", fmt, MeshRuntime)]
+        if peer == "mlserver":
+            systems.append(("MLServer 1.7.1", "sklearn", MLServerRepository))
+        for name, model_format, server_class in systems:
+            models = write_copies(model_format, os.path.join(folder, name.split()[0]), max(steps))
+            meter = cgroup.Meter(name.split()[0].lower())
+            progress(f"{name}: {len(models)} {model_format} models; memory by {meter.method}")
+            try:
+                with server_class(models, model_format, meter) as server:
+                    figures[name] = {"format": model_format, **run_server(server, meter, steps)}
+            finally:
+                meter.remove()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return figures
+
+
+def print_report(figures: dict) -> None:
+    """One table: a column per system and step."""
+    columns = [
+        (name, step)
+        for name, system in figures.items()
+        if isinstance(system, dict) and "steps" in system
+        for step in system["steps"]
+    ]
+    if not columns:
+        print("scale: nothing measured")
+        return
+    rows = [
+        ("growth per model, MiB", lambda s: f"{s['growth_per_model_mib']:.2f}"),
+        (
+            "reported / growth",
+            lambda s: "-" if s["reported_over_growth"] is None else f"{s['reported_over_growth']:.2f}",
+        ),
+        ("loadModel p50 / p99, ms", lambda s: f"{s['load_p50_ms']:.1f} / {s['load_p99_ms']:.1f}"),
+        ("first call p50, ms", lambda s: f"{s['first_call_p50_ms']:.1f}"),
+        ("ModelInfer p50 / p99, ms", lambda s: f"{s['infer_p50_ms']:.2f} / {s['infer_p99_ms']:.2f}"),
+        ("idle CPU, % of a core", lambda s: f"{s['idle_cpu_percent']:.1f}"),
+        ("processes", lambda s: str(s["processes"])),
+        ("front's open descriptors", lambda s: str(s["front_fds"])),
+        ("time to load the step (and first calls), s", lambda s: f"{s['load_step_s']:.1f}"),
+    ]
+    header = [
+        "measure",
+        *(f"{name.split()[0]} {figures[name]['format']} N={s['models']}" for name, s in columns),
+    ]
+    table = [header, *([label, *(show(s) for _, s in columns)] for label, show in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    print()
+    for system, values in figures.items():
+        if isinstance(values, dict) and "method" in values:
+            print(f"{system}: memory measured by {values['method']}")
+    for row in table:
+        print(
+            "  ".join(
+                cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+            )
+        )
+    for name, system in figures.items():
+        if not isinstance(system, dict) or "steps" not in system:
+            continue
+        if "unload_all_s" in system:
+            print(
+                f"{name}: unloading all {system['steps'][-1]['models']} took {system['unload_all_s']:.1f} s, "
+                f"{system['left_bytes'] / MiB:+.1f} MiB left above the start"
+            )
+        if "error" in system:
+            print(f"{name}: stopped by {system['error']}")

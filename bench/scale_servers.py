@@ -1,0 +1,196 @@
+"""The servers bench/scale.py fills with models: mesh-runtime, and MLServer beside it.
+
+Each runs in its own memory cgroup (bench/cgroup.py) and is driven the same
+way: `load(i)` (returns the size the server reported, 0 when it reports
+none), `infer(i)`, `unload(i)`, and the waits that let a measurement start
+only once the server has finished what a call set off (forking a spare,
+reaping a worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from typing import Protocol
+
+import grpc
+import psutil
+
+from bench import cgroup
+from bench.installers import ensure_mlserver
+from bench.servers import stop_process, wait_port
+from meshtest import harness
+from protos import grpc_predict_v2_pb2 as pb
+from protos import grpc_predict_v2_pb2_grpc as pb_grpc
+
+WARM = 2  # the product's WORKERS_WARM
+SAMPLE = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
+
+
+def model_id(index: int) -> str:
+    return f"m{index:04d}"
+
+
+def iris_request(index: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model_id(index))
+    features = request.inputs.add(name="features", datatype="FP32", shape=[2, 4])
+    features.contents.fp32_contents.extend(value for row in SAMPLE for value in row)
+    return request
+
+
+class ScaleServer(Protocol):
+    name: str
+
+    def load(self, index: int) -> int: ...
+    def infer(self, index: int) -> None: ...
+    def unload(self, index: int) -> None: ...
+    def wait_settled(self) -> None: ...
+    def wait_unloaded(self) -> None: ...
+    def root_pid(self) -> int: ...
+    def front_fds(self) -> int: ...
+
+
+class MeshRuntime:
+    """mesh-runtime with the product's defaults, every installed framework preloaded."""
+
+    name = "mesh-runtime"
+
+    def __init__(self, models: list[str], fmt: str, meter: cgroup.Meter):
+        self.models, self.fmt, self.meter = models, fmt, meter
+        self.loaded = 0
+        self.rt = harness.Runtime(
+            command_prefix=meter.command_prefix(),
+            preload_frameworks=True,
+            ROOT_MODEL_DIR=os.path.dirname(models[0]),
+            WORKERS_WARM=str(WARM),
+            LOG_LEVEL="warning",  # a log file's pages would be charged to the cgroup too
+        )
+
+    def __enter__(self) -> MeshRuntime:
+        self.rt.start()
+        self.meter.root_pid = self.rt.pid
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.rt.stop()
+
+    def load(self, index: int) -> int:
+        size = self.rt.load(model_id(index), self.models[index], fmt=self.fmt, timeout=120).sizeInBytes
+        self.loaded += 1
+        return size
+
+    def infer(self, index: int) -> None:
+        self.rt.infer.ModelInfer(
+            iris_request(index), metadata=harness.mesh_headers(model_id(index)), timeout=30
+        )
+
+    def unload(self, index: int) -> None:
+        self.rt.unload(model_id(index))
+        self.loaded -= 1
+
+    def _workers_are(self, count: int) -> bool:
+        return len(harness.alive(self.rt.spares())) == WARM and len(harness.alive(self.rt.workers())) == count
+
+    def wait_settled(self) -> None:
+        harness.wait_until(
+            lambda: self._workers_are(self.loaded + WARM),
+            timeout=120,
+            interval=0.2,
+            what="the pool to settle",
+        )
+
+    def wait_unloaded(self) -> None:
+        harness.wait_until(
+            lambda: self._workers_are(WARM), timeout=120, interval=0.1, what="every worker reaped"
+        )
+
+    def root_pid(self) -> int:
+        return self.rt.pid
+
+    def front_fds(self) -> int:
+        return psutil.Process(self.rt.pid).num_fds()
+
+
+class MLServerRepository:
+    """MLServer 1.7.1 (one process, mlserver-sklearn) loading models through its repository API."""
+
+    name = "MLServer"
+
+    def __init__(self, models: list[str], fmt: str, meter: cgroup.Meter):
+        assert fmt == "sklearn", "MLServer is measured with sklearn models"
+        self.executable = ensure_mlserver()
+        self.meter = meter
+        self.folder = os.path.dirname(models[0])
+        for index, folder in enumerate(models):
+            settings = {
+                "name": model_id(index),
+                "implementation": "mlserver_sklearn.SKLearnModel",
+                "parameters": {"uri": "./model.joblib"},
+            }
+            self._write(os.path.join(folder, "model-settings.json"), settings)
+        self.grpc_port, self.http_port = harness.free_port(), harness.free_port()
+        server_settings = {
+            "host": "127.0.0.1",
+            "grpc_port": self.grpc_port,
+            "http_port": self.http_port,
+            "metrics_port": harness.free_port(),
+            "parallel_workers": 0,
+            "load_models_at_startup": False,
+        }
+        self._write(os.path.join(self.folder, "settings.json"), server_settings)
+        self.log_path = os.path.join(os.path.dirname(self.folder), "mlserver-scale.log")
+
+    @staticmethod
+    def _write(path: str, content: dict) -> None:
+        with open(path, "w") as f:
+            json.dump(content, f)
+
+    def __enter__(self) -> MLServerRepository:
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [*self.meter.command_prefix(), self.executable, "start", self.folder],
+            cwd=self.folder,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.meter.root_pid = self.process.pid
+        wait_port(self.grpc_port, self.process, self.log_path, 180)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+        stop_process(self.process)
+        self.log.close()
+
+    def _repository(self, index: int, verb: str) -> None:
+        url = f"http://127.0.0.1:{self.http_port}/v2/repository/models/{model_id(index)}/{verb}"
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST", data=b""), timeout=120):
+            pass
+
+    def load(self, index: int) -> int:
+        self._repository(index, "load")
+        return 0  # MLServer reports no sizes
+
+    def infer(self, index: int) -> None:
+        self.stub.ModelInfer(iris_request(index), timeout=30)
+
+    def unload(self, index: int) -> None:
+        self._repository(index, "unload")
+
+    def wait_settled(self) -> None:
+        time.sleep(0.5)  # one process: nothing starts or ends in the background
+
+    def wait_unloaded(self) -> None:
+        pass
+
+    def root_pid(self) -> int:
+        return self.process.pid
+
+    def front_fds(self) -> int:
+        return psutil.Process(self.process.pid).num_fds()
