@@ -1,7 +1,7 @@
 """scripts/bench --scale: many tiny models in one server, measured from outside, step by step.
 
 One runtime with the product's settings (every installed framework preloaded,
-WORKERS_WARM=2) runs in a memory cgroup of its own (bench/cgroup.py; the PSS
+WORKERS_WARM=2) runs in a memory cgroup of its own (meshtest/cgroup.py; the PSS
 sum of its tree where none can be made). N tiny iris models of one format
 (scripts/make_examples.py, copied into one folder each, as the puller lays
 them out) are loaded two at a time, as model-mesh does, in steps (default
@@ -35,10 +35,9 @@ import sys
 import tempfile
 import time
 
-from bench import cgroup
 from bench.common import REPO, MiB, percentile, progress
 from bench.scale_servers import MeshRuntime, MLServerRepository, ScaleServer
-from meshtest import harness
+from meshtest import cgroup, harness
 
 STEPS = (50, 200, 500, 1000)
 LOADERS = 2  # model-mesh loads two models at a time per runtime by default

@@ -1,6 +1,6 @@
 """The servers bench/scale.py fills with models: mesh-runtime, and MLServer beside it.
 
-Each runs in its own memory cgroup (bench/cgroup.py) and is driven the same
+Each runs in its own memory cgroup (meshtest/cgroup.py) and is driven the same
 way: `load(i)` (returns the size the server reported, 0 when it reports
 none), `infer(i)`, `unload(i)`, and the waits that let a measurement start
 only once the server has finished what a call set off (forking a spare,
@@ -19,10 +19,9 @@ from typing import Protocol
 import grpc
 import psutil
 
-from bench import cgroup
 from bench.installers import ensure_mlserver
 from bench.servers import stop_process, wait_port
-from meshtest import harness
+from meshtest import cgroup, harness
 from protos import grpc_predict_v2_pb2 as pb
 from protos import grpc_predict_v2_pb2_grpc as pb_grpc
 
