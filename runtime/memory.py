@@ -1,10 +1,17 @@
-"""Memory facts the runtime reports: a process's unique memory and the pod's capacity.
+"""Memory facts the runtime reports: what a process costs the pod, and the pod's capacity.
 
-USS (unique set size) is what the OS gets back when that process dies, which is
-exactly what unloading a model frees, so it is the size we report. We read it
-from /proc/PID/smaps_rollup, which the kernel sums for us (what psutil's
-memory_full_info().uss adds up from /proc/PID/smaps, at a fraction of the cost),
-and fall back on psutil on a kernel without smaps_rollup.
+What the OS gets back when a worker dies, which is exactly what unloading its
+model frees, is two things. Its unique pages (USS), read from
+/proc/PID/smaps_rollup, which the kernel sums for us (what psutil's
+memory_full_info().uss adds up from /proc/PID/smaps, at a fraction of the
+cost; psutil is the fallback on a kernel without smaps_rollup). And the
+kernel's own share for the process, which the pod's memory cgroup is charged
+for but no page count shows: its page tables (VmPTE: a forked worker maps
+every region of the fork server, so they are not small), a kernel stack per
+thread, a few hundred bytes per mapping (the region's descriptor and its
+reverse-map links) and the process's own descriptors. `cost()` is the sum:
+the size we report for a model, so that model-mesh never packs more models
+into the pod than it holds.
 
 The processes we measure may exit while we read their /proc files, and the
 kernel then answers ESRCH (exiting, or a zombie), ENOENT (reaped) or EACCES
@@ -21,6 +28,24 @@ import psutil
 
 _PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 
+# The kernel's share beyond page tables, per thread, per mapping and per process.
+# THREAD_SIZE is 16 KiB on x86_64 and arm64. The other two were fitted to what a
+# memory cgroup was charged per worker (kmem) for workers with few and with many
+# mappings, and rounded up: docs/density.md has the method and the figures.
+KERNEL_STACK_BYTES = 16 * 1024
+MAPPING_BYTES = 384
+PROCESS_BYTES = 64 * 1024
+# What a worker's first calls add to it, whatever its model: the heap and
+# object arenas that decoding a request and encoding a reply touch for the
+# first time. A worker that has served no call yet is charged it on top of
+# what it measures, so that the size of a model loaded a moment ago already
+# covers it (docs/density.md).
+FIRST_CALLS_BYTES = 384 * 1024
+# What the front holds for each worker it runs (its end of the worker's socket
+# and pipes, their buffers, its records of the worker): charged to the model the
+# worker serves, and so left out of the front's own cost in overhead().
+FRONT_SHARE_BYTES = 64 * 1024
+
 # cgroup v2, then v1: the container's memory limit when one is set.
 _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
@@ -29,15 +54,21 @@ _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memor
 _HAS_ROLLUP = os.path.exists("/proc/self/smaps_rollup")
 
 
-def _rollup(pid: int, fields: tuple[bytes, ...]) -> int:
-    """The sum of `fields` in /proc/PID/smaps_rollup, in bytes."""
+def _proc_file(pid: int, name: str) -> bytes:
+    """/proc/PID/NAME, with the errors of a process that is gone or not ours made psutil's."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-            return 1024 * sum(int(line.split()[1]) for line in rollup if line.startswith(fields))
+        with open(f"/proc/{pid}/{name}", "rb") as proc_file:
+            return proc_file.read()
     except (ProcessLookupError, FileNotFoundError):
         raise psutil.NoSuchProcess(pid) from None
     except PermissionError:
         raise psutil.AccessDenied(pid) from None
+
+
+def _rollup(pid: int, fields: tuple[bytes, ...]) -> int:
+    """The sum of `fields` in /proc/PID/smaps_rollup, in bytes."""
+    lines = _proc_file(pid, "smaps_rollup").splitlines()
+    return 1024 * sum(int(line.split()[1]) for line in lines if line.startswith(fields))
 
 
 def uss(pid: int) -> int:
@@ -47,29 +78,67 @@ def uss(pid: int) -> int:
     return psutil.Process(pid).memory_full_info().uss
 
 
-def pss(pid: int) -> int:
-    """Proportional memory of process `pid`: its unique pages plus its share of shared ones.
+def kernel_share(pid: int) -> int:
+    """Bytes the kernel holds for process `pid` itself: page tables, stacks, mappings, descriptors.
 
     Raises psutil.Error if it is gone or not ours.
     """
-    if _HAS_ROLLUP:
-        return _rollup(pid, (b"Pss:",))
-    return psutil.Process(pid).memory_full_info().pss
+    page_tables, threads = None, 1
+    for line in _proc_file(pid, "status").splitlines():
+        if line.startswith(b"VmPTE:"):
+            page_tables = 1024 * int(line.split()[1])
+        elif line.startswith(b"Threads:"):
+            threads = int(line.split()[1])
+    if page_tables is None:  # a zombie: its memory, page tables and all, is already freed
+        raise psutil.NoSuchProcess(pid)
+    mappings = _proc_file(pid, "maps").count(b"\n")
+    return page_tables + threads * KERNEL_STACK_BYTES + mappings * MAPPING_BYTES + PROCESS_BYTES
 
 
-def uss_or_zero(pid: int | None) -> int:
-    """uss(), or 0 for a process that is gone, not ours or not started: none of our memory is in it."""
+def cost(pid: int) -> int:
+    """What the pod gets back when process `pid` exits: uss() plus kernel_share().
+
+    Raises psutil.Error if it is gone or not ours.
+    """
+    return uss(pid) + kernel_share(pid)
+
+
+def cost_or_zero(pid: int | None) -> int:
+    """cost(), or 0 for a process that is gone, not ours or not started: none of our memory is in it."""
     if pid is None:
         return 0
     try:
-        return uss(pid)
+        return cost(pid)
     except psutil.Error:
         return 0
 
 
+def serving_cost(pid: int | None, has_served: bool) -> int:
+    """What the model worker `pid` costs the pod: cost(), its share of the front, and
+    FIRST_CALLS_BYTES until it has served a call.
+
+    0 for a process that is gone, not ours or not started.
+    """
+    measured = cost_or_zero(pid)
+    if not measured:
+        return 0
+    return measured + FRONT_SHARE_BYTES + (0 if has_served else FIRST_CALLS_BYTES)
+
+
+def serving_costs(workers: list[tuple[int | None, bool]]) -> list[int]:
+    """serving_cost() of each (pid, has_served); blocking, so run it in a thread."""
+    return [serving_cost(pid, has_served) for pid, has_served in workers]
+
+
 def uss_each(pids: list[int | None]) -> list[int]:
-    """uss_or_zero() of each pid; blocking, so run it in a thread."""
-    return [uss_or_zero(pid) for pid in pids]
+    """The unique memory of each pid, 0 for one that is gone; blocking, so run it in a thread."""
+    sizes = []
+    for pid in pids:
+        try:
+            sizes.append(0 if pid is None else uss(pid))
+        except psutil.Error:
+            sizes.append(0)
+    return sizes
 
 
 def cgroup_limit() -> int | None:
@@ -97,22 +166,34 @@ def container_memory(configured: int | None) -> int:
     return cgroup_limit() or psutil.virtual_memory().total
 
 
-def tree_pss(root_pid: int | None = None) -> int:
-    """PSS summed over a process and all its descendants (default: this process).
+def overhead(model_pids: set[int]) -> int:
+    """What this process and its descendants cost the pod, the model workers in `model_pids` aside.
 
-    PSS, not USS: the fork server's preloaded frameworks are shared with every
-    worker, so no process owns them uniquely, yet they occupy memory; summed
-    PSS counts each such page exactly once.
+    The front, the resource tracker and the spares are counted by cost(). A
+    process that has children of its own (the fork server) is counted by all
+    its resident pages instead: every one of them is in memory once, and a
+    worker's unique pages never include those it still shares with it. So
+    this plus the models' serving_cost() counts each page of the tree once.
 
-    A descendant that ends (or turns out not to be ours) while we count is
-    skipped; raises psutil.Error only if the root itself is gone.
+    A descendant that ends while we count is skipped; blocking, so run it in a thread.
     """
-    root = psutil.Process(root_pid or os.getpid())
-    total = 0
-    for process in [root, *root.children(recursive=True)]:
+    front = psutil.Process()
+    total = max(0, cost(front.pid) - FRONT_SHARE_BYTES * len(model_pids))
+    for process in front.children(recursive=True):
+        if process.pid in model_pids:
+            continue
         try:
-            total += pss(process.pid)
+            if process.children():
+                total += resident(process.pid) + kernel_share(process.pid)
+            else:
+                total += cost(process.pid)
         except psutil.Error:
-            if process is root:
-                raise
+            pass
     return total
+
+
+def resident(pid: int) -> int:
+    """All the pages process `pid` has in memory, shared or not; raises psutil.Error if it is gone."""
+    if _HAS_ROLLUP:
+        return _rollup(pid, (b"Rss:",))
+    return psutil.Process(pid).memory_info().rss

@@ -89,12 +89,14 @@ class Supervisor:
         await self.pool.close()
 
     def capacity(self) -> int:
-        """Container memory minus the buffer minus what the front, fork server and spares use.
+        """Container memory minus the buffer minus what the front, fork server and spares cost.
 
+        They are counted as the models are (memory.cost(), the kernel's share
+        included), so capacity and sizes add up to what the pod is charged.
         Blocking (reads /proc): run it in a thread.
         """
-        models = sum(m.size for m in self.models())
-        overhead = max(0, memory.tree_pss() - models)
+        model_pids = {w.pid for m in self.models() for w in m.workers if w.pid is not None}
+        overhead = memory.overhead(model_pids)
         total = memory.container_memory(self.settings.container_mem_req_bytes)
         self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
         return self.capacity_bytes
@@ -158,7 +160,7 @@ class Supervisor:
                 for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
-                sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in model.workers])
+                sizes = await asyncio.to_thread(memory.serving_costs, [(w.pid, False) for w in model.workers])
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
@@ -360,7 +362,8 @@ class Supervisor:
 
     async def model_size(self, model_id: str) -> int:
         model = self.ready_model(model_id)
-        sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in model.replicas.workers])
+        workers = [(w.pid, w.served > 0) for w in model.replicas.workers]
+        sizes = await asyncio.to_thread(memory.serving_costs, workers)
         if len(sizes) == self.settings.model_replicas and all(sizes):
             model.size = sum(sizes)
         return model.size  # while healing: the last full measurement

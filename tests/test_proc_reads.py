@@ -1,6 +1,6 @@
 """Reading /proc about processes that exit under us: runtime/memory.py, memory.uss_each, the admin commands.
 
-The contract: memory.uss and memory.pss raise psutil.NoSuchProcess for a
+The contract: memory.uss, resident, kernel_share and cost raise psutil.NoSuchProcess for a
 process that is gone (exiting, a zombie, reaped) and psutil.AccessDenied for
 one that is not ours; everything built on them answers 0 (or skips it).
 """
@@ -56,16 +56,17 @@ def zombie() -> subprocess.Popen:
 
 
 def _read_everything(pid: int, outcomes: dict) -> None:
-    """Every reader on `pid` (and on our own tree); only psutil.Error may come out of uss/pss."""
-    for reader in (memory.uss, memory.pss):
+    """Every reader on `pid` (and on our own tree); only psutil.Error may come out of the readers."""
+    for reader in READERS:
         try:
             assert reader(pid) >= 0
             outcomes["read"] += 1
         except psutil.Error as error:
             outcomes[type(error).__name__] += 1
-    assert memory.uss_or_zero(pid) >= 0
+    assert memory.cost_or_zero(pid) >= 0
     assert all(size >= 0 for size in memory.uss_each([pid, None]))
-    assert memory.tree_pss(ME) > 0
+    assert all(size >= 0 for size in memory.serving_costs([(pid, True), (None, False)]))
+    assert memory.overhead(set()) > 0
 
 
 @pytest.mark.slow  # starts and kills a few hundred processes
@@ -74,7 +75,7 @@ def test_readers_survive_processes_killed_under_them():
     stop = threading.Event()
     killed_in_background: list[int] = []
 
-    def churn() -> None:  # children of ours that die while tree_pss walks our tree
+    def churn() -> None:  # children of ours that die while overhead() walks our tree
         while not stop.is_set():
             child = sleeper()
             killed_in_background.append(child.pid)
@@ -96,7 +97,7 @@ def test_readers_survive_processes_killed_under_them():
     finally:
         stop.set()
         background.join()
-    # uss and pss of each reaped child at least; and some reads of live ones.
+    # every reader of each reaped child at least; and some reads of live ones.
     assert outcomes["read"] > 0 and outcomes["NoSuchProcess"] >= 2 * 150, outcomes
     assert len(killed_in_background) > 10
 
@@ -114,18 +115,20 @@ EXPECTED = {
     PermissionError: psutil.AccessDenied,
 }
 ROOT_ROLLUP = b"Rss: 400 kB\nPss: 100 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 20 kB\n"
+READERS = (memory.uss, memory.resident, memory.kernel_share, memory.cost)
 
 
 @pytest.fixture
 def rollup_fails(monkeypatch):
-    """Makes smaps_rollup raise `error` for every pid but ours, whose rollup reads ROOT_ROLLUP."""
+    """Makes every /proc/PID file raise `error` for every pid but ours, whose rollup reads ROOT_ROLLUP."""
 
-    def install(error: OSError, for_root_too: bool = False):
+    def install(error: OSError):
         def fake_open(path, *args, **kwargs):
-            if isinstance(path, str) and path.endswith("/smaps_rollup"):
-                if path == f"/proc/{ME}/smaps_rollup" and not for_root_too:
+            if isinstance(path, str) and path.startswith("/proc/") and not path.startswith("/proc/self"):
+                if path == f"/proc/{ME}/smaps_rollup":
                     return io.BytesIO(ROOT_ROLLUP)
-                raise error
+                if not path.startswith(f"/proc/{ME}/"):
+                    raise error
             return open(path, *args, **kwargs)
 
         monkeypatch.setattr(memory, "open", fake_open, raising=False)
@@ -146,34 +149,29 @@ def child():
 
 
 @pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
-def test_uss_and_pss_raise_psutil_errors(rollup_fails, child, error):
+def test_every_reader_raises_psutil_errors(rollup_fails, child, error):
     rollup_fails(error)
-    for reader in (memory.uss, memory.pss):
+    for reader in READERS:
         with pytest.raises(EXPECTED[type(error)]) as caught:
             reader(child.pid)
         assert caught.value.pid == child.pid
-    assert memory.uss(ME) == 30 * 1024 and memory.pss(ME) == 100 * 1024
+    assert memory.uss(ME) == 30 * 1024 and memory.resident(ME) == 400 * 1024
+    assert memory.cost(ME) == 30 * 1024 + memory.kernel_share(ME)
 
 
 @pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
-def test_uss_or_zero_and_sizes_answer_zero(rollup_fails, child, error):
+def test_costs_and_sizes_answer_zero(rollup_fails, child, error):
     rollup_fails(error)
-    assert memory.uss_or_zero(child.pid) == 0
+    assert memory.cost_or_zero(child.pid) == 0
     assert memory.uss_each([child.pid, ME, None]) == [0, 30 * 1024, 0]
+    assert memory.serving_costs([(child.pid, False), (None, False)]) == [0, 0]
 
 
 @pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
-def test_tree_pss_skips_descendants_it_cannot_read(rollup_fails, child, error):
+def test_overhead_skips_descendants_it_cannot_read(rollup_fails, child, error):
     rollup_fails(error)
     assert child.pid in {p.pid for p in psutil.Process(ME).children(recursive=True)}
-    assert memory.tree_pss(ME) == 100 * 1024
-
-
-@pytest.mark.parametrize("error", GONE_ERRORS, ids=lambda e: type(e).__name__)
-def test_tree_pss_of_a_root_that_is_gone_raises_no_such_process(rollup_fails, error):
-    rollup_fails(error, for_root_too=True)
-    with pytest.raises(psutil.NoSuchProcess):
-        memory.tree_pss(ME)
+    assert memory.overhead(set()) == memory.cost(ME)
 
 
 def test_real_zombie_and_reaped_process():
@@ -182,7 +180,7 @@ def test_real_zombie_and_reaped_process():
         with pytest.raises(psutil.NoSuchProcess):
             memory.uss(child.pid)
         with pytest.raises(psutil.NoSuchProcess):
-            memory.pss(child.pid)
+            memory.kernel_share(child.pid)
         assert memory.uss_each([child.pid]) == [0]
     finally:
         child.wait()
@@ -193,11 +191,11 @@ def test_real_zombie_and_reaped_process():
 
 def test_psutil_fallback_without_smaps_rollup(monkeypatch, child):
     monkeypatch.setattr(memory, "_HAS_ROLLUP", False)
-    assert memory.uss(child.pid) > 0 and memory.pss(child.pid) > 0
+    assert memory.uss(child.pid) > 0 and memory.resident(child.pid) > 0
     gone = reaped_pid()
     with pytest.raises(psutil.NoSuchProcess):
         memory.uss(gone)
-    assert memory.uss_or_zero(gone) == 0
+    assert memory.cost_or_zero(gone) == 0
 
 
 # -- (c) the admin commands -----------------------------------------------------------------
@@ -252,3 +250,11 @@ def test_kill_a_worker_whose_process_is_gone():
 
     target, killed = asyncio.run(scenario())
     assert killed == [target.pid] and target.kill_cause is KillCause.OPERATOR
+
+
+def test_a_worker_that_has_not_served_is_charged_its_first_calls(child):
+    measured = memory.cost(child.pid)
+    first, served = memory.serving_costs([(child.pid, False), (child.pid, True)])
+    assert first - served == memory.FIRST_CALLS_BYTES
+    # The same process read twice, plus what the front holds for it.
+    assert abs(served - memory.FRONT_SHARE_BYTES - measured) < 1024 * 1024
