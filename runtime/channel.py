@@ -2,7 +2,7 @@
 
 `submit()` sends a header and payload frames to one worker and returns a
 future for the reply with the same request id. Every message a worker sends,
-replies included, is shown to the `on_event` callback first (hello, pong,
+replies included, is shown to the `on_event` callback first (hello,
 liveness). `fail_peer()` fails every request still waiting on a worker that
 died, so no caller waits on a dead process.
 """

@@ -1,10 +1,16 @@
-"""The front's heartbeat: every worker is pinged each second, and one that stays silent is hung.
+"""The front's heartbeat: once a second it reads every worker's beat, and one that stays silent is hung.
 
-Silence is judged only over time the front itself was running: after a stall
-of the event loop (a hostile request, a paused container) every worker's
-answers are still queued unread, so each is given a fresh silence limit
-rather than killed for the front's own delay. A worker running a load or a
-call (one thread) cannot answer either: LOADTIME_TIMEOUT and
+A worker's beat is the later of its last message and its last stamp in the
+beat file (runtime/beats.py), which its loop writes on every wake, idle or
+not: nothing is sent to find out. A worker whose main thread is stuck (a
+thread of its model holding the GIL, a stopped process) stamps nothing and
+is killed once WORKER_HEARTBEAT_TIMEOUT_MS has passed.
+
+Silence is judged only over time the front itself was running: after a
+stall of the event loop (a hostile request, a paused container) the front
+gives every worker a fresh silence limit rather than kill it for a pause
+that may have stopped the workers too. A worker running a load or a call
+(one thread) cannot beat either: LOADTIME_TIMEOUT and
 WORKER_REQUEST_TIMEOUT_MS watch those.
 """
 
@@ -25,10 +31,14 @@ log = logging.getLogger("mesh.heartbeat")
 HEARTBEAT_SECONDS = 1.0
 # The heartbeat waking this much later than due means the front's own loop was stalled.
 STALL_SECONDS = 1.0
+# An idle worker beats this many times per silence limit: a healthy one is
+# never silent for more than half the limit, and each beat of each idle
+# worker is a wake-up that costs CPU.
+BEATS_PER_LIMIT = 2
 _NOT_JUDGED = (WorkerState.STARTING, WorkerState.CONDEMNED, WorkerState.EXITED)
 
 
-async def beat_forever(pool: WorkerPool, silence_limit: float) -> None:
+async def watch_forever(pool: WorkerPool, silence_limit: float) -> None:
     """Runs until cancelled; the pool kills the workers it finds hung."""
     due = time.monotonic() + HEARTBEAT_SECONDS
     while True:
@@ -40,13 +50,23 @@ async def beat_forever(pool: WorkerPool, silence_limit: float) -> None:
             log.warning(
                 "the front's event loop stalled for %.1f s; no worker is judged on that silence", late
             )
-            for worker in pool.workers():
-                worker.last_seen = max(worker.last_seen, now)
-        for worker in pool.workers():
-            if worker.state in _NOT_JUDGED:
-                continue
-            silent = now - worker.last_seen
-            if not worker.busy and silent > silence_limit:
-                pool.kill(worker, KillCause.HUNG, f"hung: no heartbeat answer for {silent:.1f} s")
-            else:
-                pool.ping(worker)
+            forgive(pool, now)
+        judge(pool, now, silence_limit)
+
+
+def forgive(pool: WorkerPool, now: float) -> None:
+    """Counts every worker as heard from now."""
+    for worker in pool.workers():
+        worker.last_seen = max(worker.last_seen, now)
+
+
+def judge(pool: WorkerPool, now: float, silence_limit: float) -> None:
+    """Kills every idle worker silent for longer than the limit."""
+    if now - pool.beats.oldest() <= silence_limit:
+        return  # every slot was stamped within the limit: no worker to look at one by one
+    for worker in pool.workers():
+        if worker.state in _NOT_JUDGED or worker.busy:
+            continue
+        silent = now - max(worker.last_seen, pool.last_beat(worker))
+        if silent > silence_limit:
+            pool.kill(worker, KillCause.HUNG, f"hung: no heartbeat for {silent:.1f} s")

@@ -12,6 +12,10 @@ starts in milliseconds with a few MiB of its own memory. The pool keeps
 WORKERS_WARM idle spares connected; `take()` hands one out and a background
 refill forks the next.
 
+The pool also owns the beat file (runtime/beats.py): each worker gets a
+slot in it at spawn and gives it back when reaped; the heartbeat
+(runtime/heartbeat.py) reads the slots to find hung workers.
+
 A worker's death is seen at once: the event loop watches its process
 sentinel (a pipe the fork server writes the exit code to once it has reaped
 the child), never a polling loop. `Worker.exited` resolves only then, so
@@ -37,6 +41,7 @@ import time
 import workers.main
 from plumbing import lifeline, stacks
 from runtime import forkserver, heartbeat, status
+from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
@@ -45,12 +50,12 @@ from workers import protocol
 
 log = logging.getLogger("mesh.pool")
 
-# A worker that hears nothing from the front for this long exits, if the front
-# is gone: a backstop behind the parent-death signal (runtime/heartbeat.py pings).
-WORKER_SILENCE_LIMIT = 10.0
+# A worker that cannot watch the front through a pidfd checks this often that
+# the front still runs, and exits once it is gone: a backstop behind the
+# parent-death signal (workers/loop.py).
+FRONT_CHECK_SECONDS = 10.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0
-_PING = protocol.header(protocol.OP_PING)
 
 
 class WorkerPool:
@@ -63,6 +68,7 @@ class WorkerPool:
             self._on_event,
             busy_poll_seconds=settings.busy_poll_us / 1e6,
         )
+        self.beats = BeatFile(settings.runtime_dir)
         self.ready = False
         self._on_worker_exit = on_worker_exit
         self._context = multiprocessing.get_context("forkserver")
@@ -87,7 +93,7 @@ class WorkerPool:
         self._start_forkserver()
         self.channel.start()
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
-        self._heartbeat = self._background(heartbeat.beat_forever(self, silence_limit), "heartbeat")
+        self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
         await self._refill()
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self._spares))
@@ -116,6 +122,7 @@ class WorkerPool:
         await asyncio.get_running_loop().run_in_executor(self._spawner, forkserver.stop)
         self._spawner.shutdown(wait=True)
         await self.channel.close()
+        self.beats.close()
 
     # -- handing out workers --------------------------------------------------
 
@@ -221,6 +228,10 @@ class WorkerPool:
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
 
+    def last_beat(self, worker: Worker) -> float:
+        """The time.monotonic() of the worker's last stamp in the beat file (runtime/heartbeat.py)."""
+        return self.beats.last_beat(worker.beat_slot) if worker.beat_slot is not None else 0.0
+
     def spares(self) -> list[Worker]:
         return [w for w in self._spares if w.alive]
 
@@ -253,10 +264,14 @@ class WorkerPool:
 
     async def _spawn_one(self) -> None:
         identity = f"w{next(self._ids)}".encode()
+        slot = self.beats.allocate()
         config = {
             "address": self.channel.address,
             "identity": identity,
-            "heartbeat_timeout": WORKER_SILENCE_LIMIT,
+            "heartbeat_timeout": FRONT_CHECK_SECONDS,
+            "beats": self.beats.path,
+            "beat_slot": slot,
+            "beat_ms": max(1, self.settings.worker_heartbeat_timeout_ms // heartbeat.BEATS_PER_LIMIT),
             "front": lifeline.process_identity(os.getpid()),
             "threads": self.settings.worker_threads,
             "batch_max": self.settings.worker_batch_max,
@@ -269,6 +284,7 @@ class WorkerPool:
             target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"
         )
         worker = Worker(identity, process)
+        worker.beat_slot = slot
         self._starting += 1
         # Registered before it starts: its hello may arrive before we resume.
         self._workers[identity] = worker
@@ -278,6 +294,7 @@ class WorkerPool:
                 worker.pid = await loop.run_in_executor(self._spawner, self._start_process, process)
             except BaseException:
                 self._workers.pop(identity, None)
+                self.beats.free(slot)  # its process did not start
                 raise
             loop.add_reader(process.sentinel, self._on_sentinel, worker)
             await asyncio.wait(
@@ -330,6 +347,8 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         code = await loop.run_in_executor(self._spawner, self._collect_exit, worker)
         self._workers.pop(worker.identity, None)
+        if worker.beat_slot is not None:
+            self.beats.free(worker.beat_slot)  # reaped: nothing stamps it any more
         if worker in self._spares:
             self._spares.remove(worker)
         # Exited first: failing its requests frees their replica slots at once,
@@ -361,13 +380,6 @@ class WorkerPool:
         except FileNotFoundError:
             pass
         return code
-
-    def ping(self, worker: Worker) -> None:
-        """One heartbeat; the worker answers pong unless it is busy or hung (runtime/heartbeat.py)."""
-        try:
-            self.channel.send(worker.identity, _PING)
-        except PeerGone:
-            pass  # it is dying; the sentinel will report it
 
     def _background(self, coroutine, name: str) -> asyncio.Task:
         task = asyncio.create_task(coroutine, name=name)

@@ -218,7 +218,8 @@ VARIABLES: tuple[Variable, ...] = (
         "WORKER_HEARTBEAT_TIMEOUT_MS",
         parse.whole_number,
         10000,
-        "an idle worker that answers no heartbeat for this long is killed and healed",
+        "an idle worker that stamps no heartbeat for this long (its main thread is stuck) "
+        "is killed and healed",
         parse.at_least(100),
     ),
     Variable(

@@ -25,7 +25,7 @@ import time
 class WorkerState(enum.Enum):
     STARTING = "starting"  # forked, has not said hello
     SPARE = "spare"  # connected and idle, no model yet
-    LOADING = "loading"  # a load was sent; its main thread cannot answer pings
+    LOADING = "loading"  # a load was sent; its main thread cannot beat
     SERVING = "serving"  # holds its model and takes calls
     CONDEMNED = "condemned"  # the front killed it; not reaped yet
     EXITED = "exited"  # reaped: its memory is back in the OS
@@ -44,7 +44,7 @@ _MOVES = {
 class KillCause(enum.Enum):
     """Why the front ended a worker. The value is the `cause` label of mesh_worker_restarts_total."""
 
-    HUNG = "hung"  # answered no heartbeat while idle
+    HUNG = "hung"  # its loop stopped beating while idle
     MEMORY = "memory"  # over WORKER_MEMORY_LIMIT_BYTES
     REQUEST_TIMEOUT = "request_timeout"  # a call ran past WORKER_REQUEST_TIMEOUT_MS
     OPERATOR = "operator"  # the admin kill command
@@ -82,7 +82,8 @@ class Worker:
         self.served = 0
         self.errors = 0
         self.last_error = ""
-        self.last_seen = self.started
+        self.last_seen = self.started  # its last message; its beats are in the beat file
+        self.beat_slot: int | None = None  # its slot in the beat file (runtime/beats.py)
         self.ready = loop.create_future()  # resolves on the worker's hello
         self.exited = loop.create_future()  # resolves to the exit code once reaped
 
@@ -104,7 +105,7 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        """Its one thread may be running a load or a call, so a missed heartbeat proves nothing."""
+        """Its one thread may be running a load or a call, so a missed beat proves nothing."""
         return self.state is WorkerState.LOADING or self.in_flight > 0
 
     @property

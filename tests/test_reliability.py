@@ -143,8 +143,23 @@ def test_worker_that_stops_answering_heartbeats_is_killed(guarded, trouble):
     first = trouble("freezer")
     ask(guarded, "freezer", "freeze")
     wait_until(lambda: not alive([first]), timeout=15, what="the frozen worker to be killed")
-    assert "hung: no heartbeat answer" in guarded.log()
+    assert "hung: no heartbeat for" in guarded.log()
     assert ask(guarded, "freezer").outputs
+
+
+@pytest.mark.slow  # idles through several heartbeat timeouts
+def test_a_stopped_worker_is_killed_as_hung_and_idle_ones_are_left_alone(guarded, trouble):
+    stopped = trouble("stopped")
+    idle = [trouble("idle"), *guarded.spares()]
+    stopped_at = time.monotonic()
+    stopped.send_signal(signal.SIGSTOP)
+    wait_until(lambda: not alive([stopped]), timeout=15, what="the stopped worker to be killed")
+    # Its last beat may have come up to half the limit before it was stopped.
+    assert time.monotonic() - stopped_at >= 1.5 / 2, "killed before WORKER_HEARTBEAT_TIMEOUT_MS"
+    assert f"{stopped.pid} model=stopped>: hung: no heartbeat for" in guarded.log()
+    time.sleep(max(0.0, stopped_at + 3 * 1.5 - time.monotonic()))  # three timeouts in all
+    assert alive(idle) == idle, "an idle worker that beats was killed as hung"
+    assert ask(guarded, "stopped").outputs
 
 
 def test_memory_limit_gives_resource_exhausted_and_heals(guarded, trouble):

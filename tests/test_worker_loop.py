@@ -1,5 +1,7 @@
-"""The worker's call handling, in-process: deadlines, error kinds, raw frames out, its serving loop."""
+"""The worker's call handling, in-process: deadlines, error kinds, raw frames out, its loop, its beats."""
 
+import errno
+import os
 import subprocess
 import threading
 import time
@@ -12,6 +14,7 @@ import zmq
 from plumbing import lifeline
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
+from runtime.beats import BeatFile
 from workers import protocol
 from workers.loop import Worker
 
@@ -150,77 +153,113 @@ def test_handle_returning_anything_but_bytes_is_a_model_error(worker):
     assert "handle() returned str, expected bytes" in header["message"]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_serve_answers_calls_queued_together_then_exits_once_the_front_is_silent(tmp_path, threads):
+@pytest.fixture
+def stand_in_front():
+    """A process that stands for the front: the worker checks that it runs, the test ends it."""
+    process = subprocess.Popen(["sleep", "60"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def serving_worker(tmp_path, front, **config):
+    """A Worker on a ROUTER the test holds, serving in a thread once its hello came."""
     address = f"ipc://{tmp_path}/serve.sock"
     context = zmq.Context()
-    front = context.socket(zmq.ROUTER)
-    front.setsockopt(zmq.LINGER, 0)
-    front.bind(address)
-    worker = Worker({"address": address, "identity": b"unit", "heartbeat_timeout": 1, "threads": threads})
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    worker = Worker(
+        {
+            "address": address,
+            "identity": b"unit",
+            "front": lifeline.process_identity(front.pid),
+            **config,
+        }
+    )
     worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
     serving = threading.Thread(target=worker.serve, daemon=True)
     serving.start()
+    peer, hello = router.recv_multipart()
+    assert protocol.parse_header(hello)["op"] == protocol.OP_HELLO
+    return worker, serving, router, peer
+
+
+def stop_serving(worker, serving, router):
+    router.close(linger=0)
+    router.context.term()
+    serving.join(timeout=5)
+    worker.socket.close(linger=0)
+    if worker.pool is not None:
+        worker.pool.shutdown()
+        worker.replies.close(linger=0)
+    worker.context.term()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_serve_answers_calls_queued_together_beats_while_idle_and_ends_with_its_front(
+    tmp_path, stand_in_front, threads
+):
+    beats = BeatFile(str(tmp_path))
+    slot = beats.allocate()
+    worker, serving, router, peer = serving_worker(
+        tmp_path,
+        stand_in_front,
+        heartbeat_timeout=0.5,
+        threads=threads,
+        beats=beats.path,
+        beat_slot=slot,
+        beat_ms=50,
+    )
     try:
-        peer, hello = front.recv_multipart()
-        assert protocol.parse_header(hello)["op"] == protocol.OP_HELLO
         for request_id in (1, 2, 3):  # sent back to back: the worker may find them queued together
-            front.send_multipart(
+            router.send_multipart(
                 [
                     peer,
                     protocol.header(protocol.OP_CALL, request_id, method=protocol.METHOD_INFER),
                     raw_request(),
                 ]
             )
-        answered = [protocol.parse_header(front.recv_multipart()[1]) for _ in range(3)]
+        answered = [protocol.parse_header(router.recv_multipart()[1]) for _ in range(3)]
         # In order with one thread; with a pool, replies leave as their calls finish.
         assert sorted((reply["id"], reply["ok"]) for reply in answered) == [(1, True), (2, True), (3, True)]
-        silent_since = time.monotonic()
-        serving.join(timeout=15)
-        assert not serving.is_alive(), "the worker kept serving a front silent for 15 s"
-        assert time.monotonic() - silent_since >= 0.9, "the worker left before its 1 s heartbeat timeout"
-    finally:
-        front.close(linger=0)
+        stamps = []
+        for _ in range(3):
+            time.sleep(0.2)  # four beat intervals with nothing sent
+            stamps.append(beats.last_beat(slot))
+        assert stamps[0] < stamps[1] < stamps[2], "the idle worker stopped beating"
+        assert time.monotonic() - stamps[2] < 1.0, "the beat is not the worker's time.monotonic()"
+        assert not router.poll(0), "the worker sent something while idle"
+        stand_in_front.kill()
+        stand_in_front.wait()
         serving.join(timeout=5)
-        worker.socket.close(linger=0)
-        if worker.pool is not None:
-            worker.pool.shutdown()
-            worker.replies.close(linger=0)
-        worker.context.term()
-        context.term()
+        assert not serving.is_alive(), "the worker kept serving after its front was gone"
+    finally:
+        stop_serving(worker, serving, router)
+        beats.close()
 
 
-def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gone(tmp_path):
-    address = f"ipc://{tmp_path}/stalled.sock"
-    context = zmq.Context()
-    front = context.socket(zmq.ROUTER)
-    front.setsockopt(zmq.LINGER, 0)
-    front.bind(address)
-    stalled_front = subprocess.Popen(["sleep", "60"])  # stands for a front whose event loop is stuck
-    worker = Worker(
-        {
-            "address": address,
-            "identity": b"unit",
-            "heartbeat_timeout": 0.5,
-            "threads": 1,
-            "front": lifeline.process_identity(stalled_front.pid),
-        }
+def no_pidfd(pid):
+    raise OSError(errno.ENOSYS, "pidfd_open")
+
+
+@pytest.mark.parametrize("watch", ["pidfd", "proc"])
+def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gone(
+    tmp_path, stand_in_front, monkeypatch, watch
+):
+    # The front sends an idle worker nothing: only the front's end may end the worker.
+    if watch == "proc":  # a kernel or seccomp profile without pidfd_open
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    worker, serving, router, _ = serving_worker(
+        tmp_path, stand_in_front, heartbeat_timeout=0.5, threads=1, beat_ms=100
     )
-    serving = threading.Thread(target=worker.serve, daemon=True)
-    serving.start()
+    assert (worker.front_exit is not None) == (watch == "pidfd")
     try:
-        front.recv_multipart()  # hello
         serving.join(timeout=2.5)
         assert serving.is_alive(), "the worker left a front that was silent but still running"
-        stalled_front.kill()
-        stalled_front.wait()
+        stand_in_front.kill()
+        stand_in_front.wait()
         serving.join(timeout=5)
         assert not serving.is_alive(), "the worker kept waiting for a front that is gone"
     finally:
-        stalled_front.kill()
-        stalled_front.wait()
-        front.close(linger=0)
-        serving.join(timeout=5)
-        worker.socket.close(linger=0)
-        worker.context.term()
-        context.term()
+        stop_serving(worker, serving, router)

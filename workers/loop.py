@@ -15,10 +15,16 @@ already queued before it polls again, so calls that arrived together may
 share one predict (workers/batching.py); any other takes one message per poll
 (a poll finds a queued message without waiting).
 
-The loop ends by itself when the front has been silent for longer than the
-heartbeat timeout and is no longer running; the parent-death signal
-(plumbing/lifeline.py) covers the rest. A front that is still running but
-silent is stalled, not gone: its worker waits for it rather than take its
+Every wake of the loop stamps the worker's slot of the beat file, and an idle
+worker wakes every `beat_ms` only for that: the front reads the stamps to find
+hung workers (runtime/heartbeat.py) without a message crossing the socket.
+
+The front sends nothing to an idle worker, so silence proves nothing about
+it. The loop ends once the front process is gone: it polls a pidfd of the
+front beside its socket, or, where the kernel refuses pidfd_open, checks
+/proc every `heartbeat_timeout` seconds; the parent-death signal
+(plumbing/lifeline.py) covers the rest. A front that runs but sends nothing
+is idle or stalled, not gone: its worker waits for it rather than take its
 model down.
 """
 
@@ -43,7 +49,14 @@ from workers import batching, formats, protocol, v2
 
 log = logging.getLogger("mesh.worker")
 
-POLL_MS = 500
+# How often an idle worker beats when the config does not say; the pool passes
+# a fraction of WORKER_HEARTBEAT_TIMEOUT_MS.
+BEAT_MS = 5000
+# Idle workers beat in groups of BEAT_GROUP slots, each group at the same
+# instants: waking many processes at once costs each a fraction of waking it
+# alone, and groups BEAT_GROUP_GAP_MS apart keep every burst short.
+BEAT_GROUP = 100
+BEAT_GROUP_GAP_MS = 100
 
 
 def trim_memory() -> None:
@@ -59,14 +72,21 @@ class Worker:
         self.model: Any = None
         self.model_id = ""
         self.format = ""
-        self.heartbeat_timeout = config["heartbeat_timeout"]
-        self.front = config.get("front")  # (pid, start time) of the front; None: judge by silence alone
+        self.front_check_seconds = config["heartbeat_timeout"]
+        self.front = config.get("front")  # (pid, start time) of the front; None: taken as gone
+        self.beat_ms = config.get("beat_ms", BEAT_MS)
+        self.beats = protocol.map_beats(config.get("beats"))
+        self.beat_slot = config.get("beat_slot", 0)
+        self.front_exit = self._watch_front()
+        self.check_front_at = 0.0  # without front_exit: when to look in /proc next
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
-        self.polled = [self.socket]
+        self.polled: list[zmq.Socket | int] = [self.socket]
+        if self.front_exit is not None:
+            self.polled.append(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
         self.batches_rows = False  # set on load: the model's format predicts rows independently
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -77,35 +97,62 @@ class Worker:
             self.replies.bind("inproc://replies")
             self.polled.append(self.replies)
             self.thread_sockets = threading.local()
-        self.handlers = {
-            protocol.OP_PING: self.on_ping,
-            protocol.OP_LOAD: self.on_load,
-        }
+        self.handlers = {protocol.OP_LOAD: self.on_load}
+
+    def _watch_front(self) -> int | None:
+        """A pidfd of the front, readable once the front exits: watching it costs no wake.
+
+        None without a front, or where the kernel or a seccomp profile refuses
+        pidfd_open; then front_is_gone() looks in /proc now and then.
+        """
+        if self.front is None:
+            return None
+        try:
+            pidfd = os.pidfd_open(self.front[0])
+        except OSError:
+            return None
+        if not self.front_is_running():  # the pid names another process now
+            os.close(pidfd)
+            return None
+        return pidfd
 
     def serve(self) -> None:
+        self.beat()
         self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
-        last_heard = time.monotonic()
+        self.check_front_at = time.monotonic() + self.front_check_seconds
         while True:
             # One zmq_poll both finds what is queued and waits when nothing is:
             # each readiness check costs system calls (poll, and ZeroMQ's own
             # poll and getpid), so none is repeated.
-            ready = protocol.wait_readable(self.polled, POLL_MS)
+            ready = protocol.wait_readable(self.polled, self.ms_to_next_beat())
             if self.socket in ready:
                 self.receive_queued()
-                last_heard = time.monotonic()
             if self.pool is not None and self.replies in ready:
                 self.forward_replies()
-            if not ready and time.monotonic() - last_heard > self.heartbeat_timeout:
-                if not self.front_is_running():
-                    log.error(
-                        "no word from the front for %.0f s and it is gone; exiting", self.heartbeat_timeout
-                    )
-                    return
-                log.warning(
-                    "no word from the front for %.0f s, but it still runs: waiting for it",
-                    time.monotonic() - last_heard,
-                )
-                last_heard = time.monotonic()  # warn again after another silence limit, not every poll
+            if self.front_is_gone(ready, self.beat()):
+                log.error("the front is gone; exiting")
+                return
+
+    def beat(self) -> float:
+        """Stamps this worker's slot with the time, which it returns: the front reads it."""
+        now = time.monotonic()
+        self.beats[self.beat_slot] = now
+        return now
+
+    def ms_to_next_beat(self) -> int:
+        """Until the next instant of this worker's group: every beat_ms, shifted by the group's gap."""
+        shift = self.beat_slot // BEAT_GROUP * BEAT_GROUP_GAP_MS
+        # + 1: zmq_poll may end a fraction of a millisecond early, which must not cost a second wake.
+        return self.beat_ms - (int(time.monotonic() * 1000) - shift) % self.beat_ms + 1
+
+    def front_is_gone(self, ready: list, now: float) -> bool:
+        """The front's pidfd turned readable, or, without one, /proc says so at a due check."""
+        if self.front_exit is not None:
+            return self.front_exit in ready
+        if now < self.check_front_at:
+            return False
+        self.check_front_at = now + self.front_check_seconds
+        return not self.front_is_running()
 
     def front_is_running(self) -> bool:
         return self.front is not None and lifeline.is_running(self.front)
@@ -176,9 +223,6 @@ class Worker:
                 self.model.close()
         finally:
             os._exit(0)
-
-    def on_ping(self, header: dict, payloads: list) -> list:
-        return [protocol.header(protocol.OP_PONG)]
 
     def on_load(self, header: dict, payloads: list) -> list:
         request_id = header["id"]

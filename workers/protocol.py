@@ -20,8 +20,6 @@ worker identity frame in front of the header on the front's side.
 Messages:
 
     worker -> front   hello  {pid}                    worker is connected and idle
-    front  -> worker  ping   {}                       heartbeat; worker answers pong
-    worker -> front   pong   {}
     front  -> worker  load   {id, model_id, format, path, key}
     front  -> worker  call   {id, method, deadline} + [request bytes]
                              deadline: epoch seconds after which the call
@@ -34,17 +32,21 @@ Messages:
 
 A failed reply names an error kind (ERROR_* below); the front turns kinds
 into gRPC status codes in exactly one place (runtime/status.py).
+
+Liveness travels outside the socket: each worker stamps its slot of the beat
+file (`map_beats` below, runtime/beats.py) and no message is sent for it.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # The front hands the fork server its WORKER_PRELOAD list through this
 # environment variable: multiprocessing starts the fork server, which offers
@@ -52,12 +54,10 @@ PROTOCOL_VERSION = 1
 PRELOAD_ENV = "MESH_WORKER_PRELOAD"
 
 OP_HELLO = "hello"
-OP_PING = "ping"
-OP_PONG = "pong"
 OP_LOAD = "load"
 OP_CALL = "call"
 OP_REPLY = "reply"
-OPS = frozenset({OP_HELLO, OP_PING, OP_PONG, OP_LOAD, OP_CALL, OP_REPLY})
+OPS = frozenset({OP_HELLO, OP_LOAD, OP_CALL, OP_REPLY})
 
 # Error kinds a worker may put in a failed reply.
 ERROR_LOAD = "load"  # the model's code raised while loading
@@ -73,6 +73,28 @@ ERROR_KINDS = frozenset(
 # Methods the worker serves itself; any other method goes to the model's handle().
 METHOD_INFER = "inference.GRPCInferenceService/ModelInfer"
 METHOD_METADATA = "inference.GRPCInferenceService/ModelMetadata"
+
+
+# The beat file: an array of float64 slots, one per worker, each the
+# time.monotonic() of that worker's last beat. CLOCK_MONOTONIC is one clock for
+# the whole machine, so the front compares a stamp with its own time. An
+# aligned 8-byte store is one instruction: a reader never sees half a stamp.
+BEAT_FORMAT: Final = "d"
+BEAT_BYTES = 8
+
+
+def map_beats(path: str | None) -> memoryview[float]:
+    """The beat file as it is now, mapped for writing; index it by slot.
+
+    The file only grows (runtime/beats.py), so a slot inside this mapping
+    stays inside the file for good. Without a path (a worker run with no
+    front, by a benchmark or a test) this is one slot that nobody reads.
+    """
+    if path is None:
+        return memoryview(bytearray(BEAT_BYTES)).cast(BEAT_FORMAT)
+    with open(path, "r+b") as beats:
+        mapped = mmap.mmap(beats.fileno(), 0)  # the mapping outlives the file descriptor
+    return memoryview(mapped).cast(BEAT_FORMAT)
 
 
 class ProtocolError(ValueError):
@@ -158,8 +180,9 @@ def readable(socket: zmq.Socket) -> bool:
     return bool(_poll([(socket, _POLLIN)], 0))
 
 
-def wait_readable(sockets: Sequence[zmq.Socket], timeout_ms: int) -> list[zmq.Socket]:
-    """Those of `sockets` that hold a message, waiting up to timeout_ms for one.
+def wait_readable(sockets: Sequence[zmq.Socket | int], timeout_ms: int) -> list[zmq.Socket | int]:
+    """Those of `sockets` that hold a message (or file descriptors that are readable),
+    waiting up to timeout_ms for one.
 
     zmq_poll looks before it sleeps, so a message already queued costs no wait.
     """

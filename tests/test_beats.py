@@ -1,0 +1,77 @@
+"""runtime/beats.py: slots handed out, reused and read, the file grown under workers that map it."""
+
+import math
+import os
+import time
+
+import pytest
+
+from runtime.beats import BEATS_NAME, BeatFile
+from workers import protocol
+
+
+@pytest.fixture
+def beats(tmp_path):
+    beats = BeatFile(str(tmp_path))
+    yield beats
+    beats.close()
+
+
+def test_a_stamp_a_worker_writes_is_what_the_front_reads(beats):
+    before = time.monotonic()
+    first, second = beats.allocate(), beats.allocate()
+    assert (first, second) == (0, 1)
+    assert before <= beats.last_beat(first) <= time.monotonic(), "a new slot is not stamped with its start"
+    worker_side = protocol.map_beats(beats.path)
+    worker_side[first], worker_side[second] = 5.0, 7.0
+    assert (beats.last_beat(first), beats.last_beat(second)) == (5.0, 7.0)
+    assert beats.oldest() == 5.0
+
+
+def test_a_freed_slot_is_reused_lowest_first_and_stamped_anew(beats):
+    slots = [beats.allocate() for _ in range(4)]
+    worker_side = protocol.map_beats(beats.path)
+    for slot in slots:
+        worker_side[slot] = 123.0
+    worker_side[0] = 100.0
+    beats.free(2)
+    beats.free(1)
+    assert beats.oldest() == 100.0, "a freed slot still counts among the stamps"
+    assert beats.allocate() == 1
+    assert beats.last_beat(1) > 123.0, "the reused slot kept its earlier worker's stamp"
+    assert beats.allocate() == 2
+    assert beats.allocate() == 4, "a slot still in use was handed out again"
+
+
+def test_no_slot_in_use_has_no_oldest_stamp(beats):
+    assert beats.oldest() == math.inf
+    beats.free(beats.allocate())
+    assert beats.oldest() == math.inf
+
+
+def test_the_file_grows_under_a_worker_that_mapped_it_small(beats):
+    per_page = os.path.getsize(beats.path) // protocol.BEAT_BYTES
+    first_worker = protocol.map_beats(beats.path)  # mapped before the file grows
+    slots = [beats.allocate() for _ in range(per_page + 1)]
+    assert slots == list(range(per_page + 1))
+    assert os.path.getsize(beats.path) >= (per_page + 1) * protocol.BEAT_BYTES
+    late_worker = protocol.map_beats(beats.path)  # forked after the file grew
+    first_worker[0] = 1.5
+    late_worker[per_page] = 2.5
+    assert beats.last_beat(0) == 1.5, "the front lost a slot when it remapped the grown file"
+    assert beats.last_beat(per_page) == 2.5
+
+
+def test_a_file_an_earlier_front_left_is_replaced_not_shared(tmp_path):
+    earlier = BeatFile(str(tmp_path))
+    leftover_worker = protocol.map_beats(earlier.path)
+    earlier.close()
+    beats = BeatFile(str(tmp_path))
+    try:
+        slot = beats.allocate()
+        leftover_worker[slot] = 9.0
+        assert beats.last_beat(slot) != 9.0, "a process of the earlier front stamped our slot"
+        assert os.stat(beats.path).st_mode & 0o777 == 0o600
+        assert os.listdir(tmp_path) == [BEATS_NAME]
+    finally:
+        beats.close()
