@@ -5,12 +5,14 @@ limit caps how many workers it can run. The soft limit a container starts
 with is often far below the hard one, and only the hard one is a real bound,
 so the front raises the soft limit to it first. If even the hard limit cannot
 hold the workers the front may be asked for, it says so once at start, naming
-WORKERS_MAX: past the limit a worker fails to start (docs/density.md).
+WORKERS_MAX. And the pool forks no worker that would leave the front short of
+descriptors (`room_for_a_worker`): the load that needed it is refused instead.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 from runtime import memory
@@ -29,6 +31,11 @@ DESCRIPTORS_PER_WORKER = 3
 # files; rounded up to leave room for model-mesh's connections and the files a
 # load or a metrics scrape opens for a moment.
 BASE_DESCRIPTORS = 64
+
+# Kept free whatever the workers: the front opens /proc files to measure a
+# load, accepts connections, and a worker's start that runs out of descriptors
+# half-way takes the fork server down with every worker (docs/density.md).
+RESERVED_DESCRIPTORS = 32
 
 # The least a worker can cost (a forked worker's own pages before any model):
 # with no WORKERS_MAX, the container's memory bounds the workers at its size
@@ -61,6 +68,19 @@ def raise_soft_limit() -> int:
         return soft
     log.info("open-file soft limit: was %d, now %d (hard limit: %s)", soft, target, describe(hard))
     return target
+
+
+def room_for_a_worker() -> bool:
+    """True while the front can open one more worker's descriptors and keep the reserve."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return True
+    return open_descriptors() + DESCRIPTORS_PER_WORKER + RESERVED_DESCRIPTORS <= soft
+
+
+def open_descriptors() -> int:
+    """How many descriptors this process holds open now."""
+    return len(os.listdir("/proc/self/fd"))
 
 
 def finite_limit(hard: int) -> int:

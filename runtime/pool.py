@@ -40,7 +40,7 @@ import time
 
 import workers.main
 from plumbing import lifeline, stacks
-from runtime import forkserver, heartbeat, status
+from runtime import filelimit, forkserver, heartbeat, status
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
 from runtime.leftovers import ProcessRegistry
@@ -136,7 +136,7 @@ class WorkerPool:
                     # this worker is for. The caller calls replenish() when done.
                     return worker
             if self._at_cap() and self._starting == 0:
-                raise status.out_of_workers(self.settings.workers_max)
+                raise status.out_of_workers(self.settings.workers_max, not filelimit.room_for_a_worker())
             waiter = asyncio.get_running_loop().create_future()
             self._spare_waiters.append(waiter)
             self._schedule_refill()
@@ -244,7 +244,7 @@ class WorkerPool:
 
     def _at_cap(self) -> bool:
         cap = self.settings.workers_max
-        return cap > 0 and len(self._workers) >= cap
+        return (cap > 0 and len(self._workers) >= cap) or not filelimit.room_for_a_worker()
 
     def _schedule_refill(self) -> None:
         if not self._closing and (self._refill_task is None or self._refill_task.done()):

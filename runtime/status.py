@@ -64,10 +64,14 @@ def worker_died(model_id: str, during: str, exit_code: int | None) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, f"the worker serving {model_id!r} died ({what})")
 
 
-def out_of_workers(limit: int) -> RpcError:
-    return RpcError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, f"all {limit} worker processes allowed by WORKERS_MAX are in use"
-    )
+def out_of_workers(limit: int, descriptors_short: bool = False) -> RpcError:
+    if descriptors_short:
+        reason = (
+            "the front's open-file limit (RLIMIT_NOFILE) holds no more workers: raise it or lower WORKERS_MAX"
+        )
+    else:
+        reason = f"all {limit} worker processes allowed by WORKERS_MAX are in use"
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
 
 def queue_full(model_id: str, limit: int) -> RpcError:

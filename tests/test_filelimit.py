@@ -9,6 +9,7 @@ import logging
 import resource
 import sys
 
+import grpc
 import psutil
 import pytest
 from harness import MiB, Runtime
@@ -140,3 +141,36 @@ def test_the_front_does_not_warn_when_workers_max_fits_the_limit():
         assert front_limits(rt) == (HARD, HARD)
         assert "open-file soft limit" in rt.log()
         assert "WORKERS_MAX" not in rt.log()
+
+
+def limited_to(descriptors: int) -> tuple[str, ...]:
+    """WITH_LOWER_LIMITS with both limits at `descriptors`."""
+    setter = f"resource.setrlimit(resource.RLIMIT_NOFILE, ({descriptors}, {descriptors}))"
+    return (sys.executable, "-c", f"import os, resource, sys; {setter}; os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def forkserver_pid(rt: Runtime) -> int:
+    return next(p.pid for p in psutil.Process(rt.pid).children() if p.children())
+
+
+@pytest.mark.slow  # loads models until the limit refuses one
+def test_a_load_past_the_limit_is_refused_and_takes_nothing_down():
+    with Runtime(command_prefix=limited_to(120)) as rt:
+        forkserver = forkserver_pid(rt)
+        loaded, refused = [], None
+        for i in range(40):
+            try:
+                rt.load(f"m{i}", rt.model_dir(f"m{i}"))
+                loaded.append(f"m{i}")
+            except grpc.RpcError as error:
+                refused = error
+                break
+        assert refused is not None, "40 workers fitted in 120 descriptors"
+        assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "open-file limit" in refused.details()
+        assert len(loaded) >= 3
+        assert forkserver_pid(rt) == forkserver
+        assert all(rt.infer_fp32(m, [1.0]).outputs for m in loaded)
+        assert "healing" not in rt.log(), "a worker died on the way"
+        rt.unload(loaded[0])  # frees a worker's descriptors: the next load fits again
+        rt.load("after", rt.model_dir("after"))
