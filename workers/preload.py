@@ -2,12 +2,15 @@
 
 multiprocessing's fork server imports its preload list at start; this module
 is that list's only entry. It ties the fork server's life to the front's
-(parent-death signal), imports WORKER_PRELOAD modules plus the worker's own
-code so that a new worker starts in milliseconds, then freezes the garbage
-collector's view of those objects so that collections in the workers do not
-touch (and so copy) the shared pages.
+(parent-death signal), sizes the frameworks' thread pools, imports
+WORKER_PRELOAD modules plus the worker's own code so that a new worker starts
+in milliseconds, warms each imported format (workers/formats/warming.py) so
+that a worker's first load and call find it done, fills the holes in its
+malloc heap, then freezes the garbage collector's view of those objects so
+that collections in the workers do not touch (and so copy) the shared pages.
 """
 
+import ctypes
 import gc
 import importlib
 import os
@@ -15,6 +18,7 @@ import sys
 
 from plumbing import lifeline, titles
 from workers import formats, protocol
+from workers.formats import warming
 
 
 def _preload() -> None:
@@ -23,15 +27,61 @@ def _preload() -> None:
     # Workers compare their parent with this pid to close the race between
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())
+    warming.limit_thread_pools()  # before the frameworks read it, at their import
     wanted = [m for m in os.environ.get(protocol.PRELOAD_ENV, "numpy").split(",") if m]
     # The format modules import their frameworks lazily, so they are cheap here.
-    for name in [*wanted, "workers.loop", *(f.module for f in formats.FORMATS)]:
+    for name in [*wanted, "workers.main", "workers.loop", *(f.module for f in formats.FORMATS)]:
         try:
             importlib.import_module(name)
         except Exception as error:  # a broken optional framework must not stop the pool
             print(f"mesh-runtime forkserver: cannot preload {name}: {error}", file=sys.stderr)
+    warming.warm_imported()
     gc.collect()
+    _fill_heap_holes()
     gc.freeze()
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's struct mallinfo2: fordblks is the free bytes, keepcost those at the heap's top."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+def _fill_heap_holes() -> None:
+    """Allocates, and keeps for good, the free chunks inside the fork server's malloc heap.
+
+    Importing and warming leave freed chunks scattered among the objects that
+    stay. A worker's mallocs would take those first, and each one it writes to
+    copies the shared page around it: a few hundred KiB of holes spread over
+    hundreds of pages, 0.5-1.5 MiB per worker. Filled, they leave a worker's
+    allocations to the heap's end, on pages of its own from the start.
+    glibc only; elsewhere this does nothing.
+    """
+    libc = ctypes.CDLL(None)
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is None:
+        return
+    mallinfo2.restype = _Mallinfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+    info = mallinfo2()
+    # Free bytes inside the heap, plus room for malloc's per-thread cache, which
+    # mallinfo counts as used: the bound only guards against a heap not laid out
+    # by sbrk, where telling a hole from the heap's end below would fail.
+    left = info.fordblks - info.keepcost + 1024 * 1024
+    size = 128 * 1024
+    while size >= 16 and left > 0:
+        heap_end = libc.sbrk(0) - mallinfo2().keepcost  # where the unused top of the heap begins
+        chunk = libc.malloc(size)
+        if chunk and chunk < heap_end:
+            left -= size  # a hole: kept
+        else:
+            libc.free(chunk)
+            size = size * 3 // 4 if size > 64 else size - 16
 
 
 _preload()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 MiB = 1024 * 1024
 
@@ -52,31 +53,33 @@ class Format:
 # and win over .onnx and .pt by this order alone: name the format in modelKey
 # (model-mesh always does) when a folder mixes them.
 #
-# size_floor of a framework format: the USS of a worker serving that format's
-# bundled example (scripts/make-examples: iris, a few KiB on disk) after one
-# inference, read with modelSize, with the default WORKER_PRELOAD (the
-# frameworks imported by the fork server, so only the pages a worker touches
-# are its own), rounded up with some headroom. Each entry gives the worker's
-# USS right after the load and after a call, and what the framework adds to
-# an idle spare (4.7-4.9 MiB in the same runs). Measured on 2 cores, Python
-# 3.11, scikit-learn 1.9, xgboost 3.2, lightgbm 4.7, onnxruntime 1.32, torch
-# 2.13 (CPU), with tests/harness.py and psutil from outside. Without
+# size_floor: the size modelSize reports (runtime/memory.py: USS plus the
+# kernel's share) for a worker serving the format's bundled example
+# (scripts/make-examples: iris, a few KiB on disk) after one inference, with
+# the default WORKER_PRELOAD (the frameworks imported and warmed by the fork
+# server, so only the pages a worker touches are its own), rounded up with
+# some headroom. Each entry gives the sizes right after the load and after a
+# call, 4 workers each; an idle spare measures 5.6 MiB (4.3 MiB USS) in the
+# same runs. The first worker of onnx and pytorch measures more: it alone maps
+# the library code it runs until a second worker runs it too. Measured on 2
+# cores, Python 3.11, scikit-learn 1.9, xgboost 3.2, lightgbm 4.7,
+# onnxruntime 1.32, torch 2.13 (CPU), with meshtest/harness.py. Without
 # preloading, a worker pays the whole import instead (measured: 140 MiB for
 # torch, 70 MiB for sklearn, xgboost or lightgbm, 25 MiB for onnxruntime, and
 # 1.2-1.8 s per load): keep the frameworks you serve in WORKER_PRELOAD.
 # tests/test_formats.py checks that predictModelSize still covers modelSize.
 FORMATS: tuple[Format, ...] = (
-    # A custom model: model.py defining `class Model`. Floor: a worker that
-    # imported only numpy measures 4-6 MiB USS once loaded (scripts/bench).
+    # A custom model: model.py defining `class Model`. 8.3 MiB loaded, 8.4 MiB
+    # after a call (the example's numpy weights); a worker of a fork server
+    # that imported only numpy measures less (its page tables are smaller).
     Format(
         "python",
         "workers.formats.python",
         file_names=("model.py",),
         aliases=("custom", "python3", "mesh-python"),
+        size_floor=10 * MiB,
     ),
-    # 13.8-14.1 MiB loaded, 15.9-16.3 MiB after a call: sklearn adds 9-11.5 MiB.
-    # 18.0 and 19.7 MiB when the fork server preloads only numpy and sklearn
-    # (the sklearn extra alone).
+    # 8.4-8.5 MiB loaded, 8.5 MiB after a call.
     Format(
         "sklearn",
         "workers.formats.sklearn",
@@ -84,10 +87,10 @@ FORMATS: tuple[Format, ...] = (
         extra="sklearn",
         suffixes=(".joblib", ".pkl", ".pickle"),
         aliases=("scikit-learn", "sk-learn", "skl"),
-        size_floor=24 * MiB,
+        size_floor=12 * MiB,
         batches_rows=True,
     ),
-    # 7.4-7.5 MiB loaded, 7.8 MiB after a call: xgboost adds 2.6-3.1 MiB.
+    # 8.0-8.3 MiB loaded, 8.1-8.4 MiB after a call.
     Format(
         "xgboost",
         "workers.formats.xgboost",
@@ -98,7 +101,7 @@ FORMATS: tuple[Format, ...] = (
         size_floor=10 * MiB,
         batches_rows=True,
     ),
-    # 6.0-6.2 MiB loaded, 6.5 MiB after a call: lightgbm adds 1.2-1.8 MiB.
+    # 7.4 MiB loaded, 7.5 MiB after a call.
     Format(
         "lightgbm",
         "workers.formats.lightgbm",
@@ -106,11 +109,11 @@ FORMATS: tuple[Format, ...] = (
         extra="lightgbm",
         suffixes=(".txt",),
         aliases=("lgbm", "lgb"),
-        size_floor=8 * MiB,
+        size_floor=10 * MiB,
         batches_rows=True,
     ),
-    # 15.5-15.7 MiB loaded, 16.6-16.7 MiB after a call: onnxruntime adds
-    # 10.7-12 MiB, 8 MiB of it library code that only this worker has mapped.
+    # 9.1 MiB loaded, 9.2 MiB after a call; the first worker 17.9 MiB, 8 MiB
+    # of it library code.
     Format(
         "onnx",
         "workers.formats.onnx",
@@ -120,8 +123,8 @@ FORMATS: tuple[Format, ...] = (
         aliases=("onnxruntime", "onnxruntime_onnx"),
         size_floor=20 * MiB,
     ),
-    # 7.6-7.7 MiB loaded, 15.2 MiB after a call: torch adds 2.8-10.5 MiB (the
-    # first forward() sets up its CPU kernels and allocator).
+    # 7.4-7.8 MiB loaded, 8.0 MiB after a call (its first forward() profiles
+    # the graph); the first worker 11.1 MiB.
     Format(
         "pytorch",
         "workers.formats.pytorch",
@@ -129,7 +132,7 @@ FORMATS: tuple[Format, ...] = (
         extra="pytorch",
         suffixes=(".pt",),
         aliases=("torch", "torchscript", "pytorch_libtorch"),
-        size_floor=18 * MiB,
+        size_floor=14 * MiB,
     ),
 )
 
@@ -141,6 +144,18 @@ def by_name(name: str, formats: tuple[Format, ...] = FORMATS) -> Format | None:
         if wanted == fmt.name or wanted in fmt.aliases:
             return fmt
     return None
+
+
+def worker_threads() -> int:
+    """Threads a framework may run per call: WORKER_THREADS, inherited from the front, else 1.
+
+    The front sends a worker that many calls at once and a pod runs many
+    workers, so more threads per call would only fight over the same cores.
+    """
+    try:
+        return max(1, int(os.environ.get("WORKER_THREADS", "1")))
+    except ValueError:
+        return 1  # the front refuses to start on a bad value; be lenient here
 
 
 def load(format_name: str, path: str):

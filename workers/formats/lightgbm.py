@@ -18,7 +18,9 @@ INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
 def load(path: str) -> LightGBMModel:
     import lightgbm
 
-    return LightGBMModel(lightgbm.Booster(model_file=common.model_file(path, "lightgbm")))
+    # LightGBM parses a model held in memory several times faster than it reads the same file.
+    with open(common.model_file(path, "lightgbm"), encoding="utf-8") as model:
+        return LightGBMModel(lightgbm.Booster(model_str=model.read()))
 
 
 class LightGBMModel:

@@ -9,11 +9,9 @@ more threads would only fight over the same cores.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from workers import v2
+from workers import formats, v2
 from workers.formats import common
 
 # onnx tensor type -> V2 datatype; the numpy dtype comes from v2.DATATYPES.
@@ -40,26 +38,34 @@ def _types(onnx_type: str) -> tuple[str, np.dtype | None]:
     return datatype, (v2.DATATYPES[datatype][0] if datatype else None)
 
 
-def threads() -> int:
-    """WORKER_THREADS from the environment the worker inherited from the front, else 1."""
-    try:
-        return max(1, int(os.environ.get("WORKER_THREADS", "1")))
-    except ValueError:
-        return 1  # the front refuses to start on a bad value; be lenient here
-
-
 def load(path: str) -> OnnxModel:
     import onnxruntime
 
+    session = onnxruntime.InferenceSession(
+        common.model_file(path, "onnx"), _session_options(), providers=["CPUExecutionProvider"]
+    )
+    model = OnnxModel(session)
+    model.rehearse()
+    return model
+
+
+def warm() -> None:
+    """Fork server: what a load does before it creates the session, which is not fork-safe."""
+    import onnxruntime
+
+    _session_options()
+    onnxruntime.get_available_providers()  # InferenceSession checks the providers it is given against these
+
+
+def _session_options():
+    import onnxruntime
+
     options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads()
+    options.intra_op_num_threads = formats.worker_threads()
     options.inter_op_num_threads = 1
     # Idle pool threads would otherwise spin on the cores other workers need.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(
-        common.model_file(path, "onnx"), options, providers=["CPUExecutionProvider"]
-    )
-    return OnnxModel(session)
+    return options
 
 
 class OnnxModel:
@@ -69,6 +75,24 @@ class OnnxModel:
         self.session = session
         self.inputs = session.get_inputs()
         self.output_names = [o.name for o in session.get_outputs()]
+
+    def rehearse(self) -> None:
+        """Runs the graph once on zeros, so that the first call does not pay for the first run.
+
+        onnxruntime sets itself up at the first run in a process, which the fork
+        server cannot do for the workers: it holds no session.
+        """
+        feed = {}
+        for graph_input in self.inputs:
+            dtype = _types(graph_input.type)[1]
+            if dtype is None or dtype.kind == "O":
+                return  # no zeros to make up for this input
+            shape = [dim if isinstance(dim, int) and dim > 0 else 1 for dim in graph_input.shape or []]
+            feed[graph_input.name] = np.zeros(shape, dtype=dtype)
+        try:
+            self.session.run(self.output_names, feed)
+        except Exception:
+            pass  # made-up sizes may not fit the graph: then the first call pays
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         feed = {graph_input.name: _fed(graph_input, inputs) for graph_input in self.inputs}

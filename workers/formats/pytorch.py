@@ -8,6 +8,8 @@ and a dict keeps its keys.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 
 from workers import v2
@@ -22,6 +24,25 @@ def load(path: str) -> TorchScriptModel:
     module = torch.jit.load(common.model_file(path, "pytorch"), map_location="cpu")
     module.eval()
     return TorchScriptModel(torch, module)
+
+
+def warm() -> None:
+    """Fork server: saves, loads and runs a TorchScript module that computes on ints only.
+
+    TorchScript sets its interpreter up at the first run of any module (tens
+    of ms, and memory each worker would keep its own copy of); adding two
+    ints runs no tensor op, so torch's thread pool stays unstarted.
+    """
+    import torch
+
+    class AddOne(torch.nn.Module):
+        def forward(self, number: int) -> int:
+            return number + 1
+
+    saved = io.BytesIO()
+    torch.jit.save(torch.jit.script(AddOne()), saved)
+    saved.seek(0)
+    torch.jit.load(saved, map_location="cpu")(1)
 
 
 class TorchScriptModel:

@@ -8,6 +8,10 @@ asks for it (it costs a second pass) and the estimator has it.
 
 from __future__ import annotations
 
+import importlib
+import io
+import warnings
+
 import numpy as np
 
 from workers.formats import common
@@ -16,6 +20,27 @@ PREDICT = "predict"
 PREDICT_PROBA = "predict_proba"
 INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
 
+# The estimator families most saved models are made of. An unpickle imports
+# the modules of its estimator's family (sklearn.linear_model alone is about
+# a hundred modules): imported by the fork server, they are shared by every
+# worker instead of each worker importing its own private copy.
+ESTIMATOR_MODULES = (
+    "sklearn.linear_model",
+    "sklearn.svm",
+    "sklearn.tree",
+    "sklearn.ensemble",
+    "sklearn.neighbors",
+    "sklearn.naive_bayes",
+    "sklearn.neural_network",
+    "sklearn.cluster",
+    "sklearn.decomposition",
+    "sklearn.pipeline",
+    "sklearn.compose",
+    "sklearn.preprocessing",
+    "sklearn.impute",
+    "sklearn.feature_extraction.text",
+)
+
 
 def load(path: str) -> SklearnModel:
     import joblib  # scikit-learn's own dependency; it reads plain pickles too
@@ -23,7 +48,38 @@ def load(path: str) -> SklearnModel:
     estimator = joblib.load(common.model_file(path, "sklearn"))
     if not callable(getattr(estimator, "predict", None)):
         raise TypeError(f"the file holds a {type(estimator).__name__}, which has no predict()")
-    return SklearnModel(estimator)
+    model = SklearnModel(estimator)
+    model.rehearse()
+    return model
+
+
+def warm() -> None:
+    """Fork server: imports the estimator modules, then unpickles and predicts once.
+
+    The first predict of a process fills scikit-learn's caches (its config,
+    the dataframe libraries it checks inputs against); none starts a thread.
+    """
+    import joblib
+
+    for name in ESTIMATOR_MODULES:
+        importlib.import_module(name)
+    saved = io.BytesIO()
+    joblib.dump(_tiny_classifier(), saved)
+    saved.seek(0)
+    model = SklearnModel(joblib.load(saved))
+    model.predict({"x": np.zeros((2, 2), dtype=np.float32)}, {}, [PREDICT, PREDICT_PROBA])
+
+
+def _tiny_classifier():
+    """A logistic regression of 2 features and 2 classes, set by hand: fitting would cost far more."""
+    from sklearn.linear_model import LogisticRegression
+
+    estimator = LogisticRegression()
+    estimator.coef_ = np.zeros((1, 2))
+    estimator.intercept_ = np.zeros(1)
+    estimator.classes_ = np.arange(2)
+    estimator.n_features_in_ = 2
+    return estimator
 
 
 class SklearnModel:
@@ -35,6 +91,22 @@ class SklearnModel:
         self.n_features = getattr(estimator, "n_features_in_", None)
         # hasattr, not callable(getattr()): SVC(probability=False) raises AttributeError here.
         self.has_proba = hasattr(estimator, PREDICT_PROBA)
+
+    def rehearse(self) -> None:
+        """Predicts a row of zeros once, so that the first call does not pay for first touches.
+
+        A worker's first pass through scikit-learn's validation code copies the
+        fork server's pages it writes to (reference counts): hundreds of page
+        faults, which this moves from the first call into the load.
+        """
+        if not self.n_features:
+            return  # a text pipeline: no row to make up
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.estimator.predict(np.zeros((1, self.n_features)))
+        except Exception:
+            pass  # a model that refuses zeros is served all the same; its first call pays
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         features = self._features(common.first_input(inputs))

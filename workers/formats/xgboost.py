@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.formats import common
+from workers.formats import common, warming
 
 PREDICT = "predict"
 INPUT_NAME = "input-0"  # what metadata() advertises; any name is accepted
@@ -21,6 +21,21 @@ def load(path: str) -> XGBoostModel:
     booster = xgboost.Booster()
     booster.load_model(common.model_file(path, "xgboost"))
     return XGBoostModel(booster)
+
+
+def warm() -> None:
+    """Fork server: creates a Booster, saves it as JSON and loads it back, if OpenMP runs no thread.
+
+    Saving and loading run OpenMP loops, which start OpenMP's pool when it
+    may run more than one thread. No predict either way: the worker's load()
+    makes the first one.
+    """
+    if not warming.openmp_is_single_threaded():
+        return
+    import xgboost
+
+    saved = xgboost.Booster({"num_feature": 1}).save_raw("json")
+    xgboost.Booster().load_model(saved)
 
 
 class XGBoostModel:

@@ -1,0 +1,127 @@
+"""The fork server warms each imported format (workers/formats/warming.py): workers still predict right,
+the fork server gains no thread, and a warm-up that fails is reported without stopping it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from harness import REPO, Runtime, tree
+from test_formats import (
+    EXAMPLES,
+    FORMAT_NAMES,
+    assert_same,
+    direct,
+    example_path,
+    infer,
+    make_examples,
+    outputs_of,
+)
+
+from workers.formats import warming
+
+# The shared runtime preloads, and so warms, every installed framework.
+PRELOAD_FRAMEWORKS = True
+pytestmark = pytest.mark.slow
+
+# The fork server's sequence in a fresh interpreter: the thread pools sized, the
+# installed frameworks and the format modules imported, then the warm-ups.
+FORKSERVER_SEQUENCE = """
+    import importlib, importlib.util, json, os
+    from workers import formats
+    from workers.formats import warming
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    warming.limit_thread_pools()
+    import numpy
+    for fmt in formats.FORMATS:
+        if fmt.framework and importlib.util.find_spec(fmt.framework):
+            importlib.import_module(fmt.framework)
+        importlib.import_module(fmt.module)
+    before = threads()
+    warming.warm_imported()
+    print(json.dumps({"before": before, "after": threads()}))
+"""
+
+
+def forkserver_pid(runtime: Runtime) -> int:
+    return next(p.pid for p in tree(runtime.pid) if "forkserver" in " ".join(p.cmdline()))
+
+
+@pytest.fixture(scope="module")
+def examples(runtime):
+    pytest.importorskip("sklearn", reason="the examples need scikit-learn's iris data")
+    written = make_examples.make(runtime.models, log=lambda line: None)
+    return {example.format: os.path.join(runtime.models, example.name) for example in written}
+
+
+def thread_counts(worker_threads: str) -> dict:
+    """Threads of a fresh interpreter after the fork server's imports ("before") and after its warm-ups."""
+    env = {name: value for name, value in os.environ.items() if name not in warming.THREAD_POOL_VARIABLES}
+    sequence = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FORKSERVER_SEQUENCE)],
+        cwd=REPO,
+        env={**env, "WORKER_THREADS": worker_threads},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "mesh-runtime forkserver" not in sequence.stderr, sequence.stderr  # no warm-up failed
+    return json.loads(sequence.stdout)
+
+
+# With more than one thread per call, OpenMP may start its pool, so warm-ups that run OpenMP loops skip them.
+@pytest.mark.parametrize("worker_threads", ["1", "2"])
+def test_warming_starts_no_thread(worker_threads):
+    counts = thread_counts(worker_threads)
+    assert counts["after"] == counts["before"], counts
+
+
+def test_the_forkserver_runs_only_the_threads_its_imports_started(runtime):
+    """onnxruntime's import starts one; the runtime's fork server, which warmed without a complaint,
+    has no other."""
+    assert "mesh-runtime forkserver" not in runtime.log()
+    fork_server_threads = len(os.listdir(f"/proc/{forkserver_pid(runtime)}/task"))
+    assert fork_server_threads == thread_counts("1")["before"]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_worker_of_each_format_predicts_after_warming(rt, examples, fmt):
+    path = example_path(examples, fmt)
+    model_id = f"warmed-{fmt}"
+    rt.load(model_id, path, fmt=fmt)
+    try:
+        served = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=EXAMPLES[fmt].outputs))
+        assert_same(served, direct(fmt, path, make_examples.SAMPLE))
+        first = next(iter(served.values()))  # labels, or one probability per class
+        assert list(first.argmax(axis=1) if first.ndim == 2 else first) == [0, 2]
+    finally:
+        rt.unload(model_id)
+
+
+# Makes sklearn.tree look broken, so that warming sklearn fails on importing it.
+BREAKING_SITECUSTOMIZE = """
+    import sys
+    sys.modules["sklearn.tree"] = None
+"""
+
+
+def test_a_failing_warm_up_is_reported_and_the_forkserver_serves_on(tmp_path):
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(BREAKING_SITECUSTOMIZE))
+    with Runtime(PYTHONPATH=str(tmp_path), WORKER_PRELOAD="numpy,sklearn") as runtime:
+        assert "cannot warm sklearn: ModuleNotFoundError" in runtime.log()
+        assert psutil.Process(forkserver_pid(runtime)).is_running()
+        folder = os.path.join(runtime.models, "iris-sklearn")
+        os.makedirs(folder)
+        make_examples.write_sklearn(folder, make_examples.iris())  # needs no sklearn.tree to load
+        runtime.load("iris", folder, fmt="sklearn")
+        labels = outputs_of(infer(runtime, "iris", make_examples.SAMPLE))["predict"]
+        assert list(labels) == [0, 2]

@@ -1,0 +1,76 @@
+"""What the fork server does for the formats before it forks any worker.
+
+A worker pays at its first load and its first call for whatever its
+framework initialises lazily: submodules imported by an unpickle, caches
+filled by a first predict, an interpreter set up by a first run. Paid in
+the fork server instead, it is paid once and its memory is shared by every
+worker, where each worker would otherwise keep its own private copy. So each
+format module may define `warm()`, which the fork server calls once for each
+framework it imported (workers/preload.py).
+
+A fork copies only the thread that calls it: a framework thread pool started
+in the fork server is missing from every worker and hangs the first call
+that waits for it. So `warm()` starts no thread: it never creates an
+onnxruntime session, runs a tensor op in torch or predicts with xgboost, and
+tests/test_warming.py counts the fork server's threads around it.
+
+Nothing here imports a framework or numpy: `limit_thread_pools()` must run
+before they are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from workers import formats
+
+# Read by OpenMP (xgboost, lightgbm, torch, scikit-learn), OpenBLAS (numpy,
+# scipy) and MKL when they are loaded.
+THREAD_POOL_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def limit_thread_pools() -> None:
+    """Sizes the frameworks' thread pools to WORKER_THREADS, unless the environment already does.
+
+    A pool sized to every core is started again in each worker after its fork
+    (its first call pays for it), spins between calls on the cores the other
+    workers need, and gives each thread a stack and a malloc arena of its own.
+    """
+    threads = str(formats.worker_threads())
+    for name in THREAD_POOL_VARIABLES:
+        os.environ.setdefault(name, threads)
+
+
+def openmp_is_single_threaded() -> bool:
+    """True when OpenMP runs no thread of its own: then an OpenMP loop is safe before a fork."""
+    return os.environ.get("OMP_NUM_THREADS") == "1"
+
+
+def warm_imported() -> None:
+    """Runs warm() of each format whose framework is imported; a failure is reported, never raised."""
+    for fmt in formats.FORMATS:
+        if fmt.framework is None or fmt.framework in sys.modules:
+            _warm(fmt)
+
+
+def _warm(fmt: formats.Format) -> None:
+    threads = _thread_count()
+    try:
+        warm = getattr(importlib.import_module(fmt.module), "warm", None)
+        if warm is not None:
+            warm()
+    except Exception as error:  # a broken framework must not stop the fork server
+        _report(f"cannot warm {fmt.name}: {type(error).__name__}: {error}")
+    if _thread_count() > threads:
+        _report(f"warming {fmt.name} started a thread; workers may hang on their first call")
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _report(message: str) -> None:
+    # As workers/preload.py reports a failed import: on stderr, which the fork server shares with the front.
+    print(f"mesh-runtime forkserver: {message}", file=sys.stderr)
