@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -36,6 +37,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+# How the front hands its LOG_LEVEL and LOG_FORMAT to the fork server: "LEVEL FORMAT".
+LOG_ENV = "MESH_RUNTIME_LOG"
+
+
+def setup_from_env(role: str) -> None:
+    """setup() with what the front put in LOG_ENV; nothing if it put nothing there."""
+    level, _, fmt = os.environ.get(LOG_ENV, "").partition(" ")
+    if level and fmt:
+        setup(role, level, fmt)
+
+
 def setup(role: str, level: str, fmt: str) -> None:
     """Routes every logger to stderr in the chosen format; replaces earlier handlers."""
     handler = logging.StreamHandler(sys.stderr)
@@ -47,4 +59,8 @@ def setup(role: str, level: str, fmt: str) -> None:
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    # setLevel clears the cache of every logger there is (the frameworks make
+    # hundreds), and in a forked worker that writes to each one's pages: skip
+    # it when the fork server already set this level.
+    if root.level != logging.getLevelName(level.upper()):
+        root.setLevel(level.upper())

@@ -16,14 +16,17 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 
-from plumbing import titles
+from plumbing import logsetup, titles
 from workers import protocol
 
 log = logging.getLogger("mesh.forkserver")
 
 
 def start(
-    context: multiprocessing.context.BaseContext, preload: tuple[str, ...], runtime_dir: str
+    context: multiprocessing.context.BaseContext,
+    preload: tuple[str, ...],
+    runtime_dir: str,
+    log_settings: tuple[str, str],
 ) -> int | None:
     """Starts the fork server; its pid, or None if multiprocessing hides it.
 
@@ -36,6 +39,9 @@ def start(
     """
     os.environ[protocol.PRELOAD_ENV] = ",".join(preload)
     os.environ[titles.RUNTIME_DIR_ENV] = runtime_dir  # for the fork server's title
+    # The fork server sets the workers' log level once for all of them: set in
+    # each worker, it would copy every logger's page (plumbing/logsetup.py).
+    os.environ[logsetup.LOG_ENV] = " ".join(log_settings)
     context.set_forkserver_preload(["workers.preload"])
     multiprocessing.forkserver.ensure_running()
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)

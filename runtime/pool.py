@@ -99,7 +99,10 @@ class WorkerPool:
         log.info("worker pool ready: %d warm spares", len(self._spares))
 
     def _start_forkserver(self) -> None:
-        pid = forkserver.start(self._context, self.settings.worker_preload, self.settings.runtime_dir)
+        log_settings = (self.settings.log_level, self.settings.log_format)
+        pid = forkserver.start(
+            self._context, self.settings.worker_preload, self.settings.runtime_dir, log_settings
+        )
         if pid is None:
             log.warning("cannot find the fork server's pid; a later front will not purge it if it is left")
         else:

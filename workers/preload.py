@@ -16,7 +16,7 @@ import importlib
 import os
 import sys
 
-from plumbing import lifeline, titles
+from plumbing import lifeline, logsetup, titles
 from workers import formats, protocol
 from workers.formats import warming
 
@@ -27,6 +27,9 @@ def _preload() -> None:
     # Workers compare their parent with this pid to close the race between
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())
+    # The workers' log level, set once here: set in each worker, it would copy
+    # the page of every logger the frameworks make (plumbing/logsetup.py).
+    logsetup.setup_from_env("worker")
     warming.limit_thread_pools()  # before the frameworks read it, at their import
     wanted = [m for m in os.environ.get(protocol.PRELOAD_ENV, "numpy").split(",") if m]
     # The format modules import their frameworks lazily, so they are cheap here.
