@@ -122,14 +122,8 @@ class MLServerRepository:
         assert fmt == "sklearn", "MLServer is measured with sklearn models"
         self.executable = ensure_mlserver()
         self.meter = meter
+        self.models = models
         self.folder = os.path.dirname(models[0])
-        for index, folder in enumerate(models):
-            settings = {
-                "name": model_id(index),
-                "implementation": "mlserver_sklearn.SKLearnModel",
-                "parameters": {"uri": "./model.joblib"},
-            }
-            self._write(os.path.join(folder, "model-settings.json"), settings)
         self.grpc_port, self.http_port = harness.free_port(), harness.free_port()
         server_settings = {
             "host": "127.0.0.1",
@@ -173,6 +167,15 @@ class MLServerRepository:
             pass
 
     def load(self, index: int) -> int:
+        # A model's settings appear in the repository as it is loaded, as model-mesh's
+        # puller lays each model out just before its load: MLServer searches the
+        # whole repository for the model at every load.
+        settings = {
+            "name": model_id(index),
+            "implementation": "mlserver_sklearn.SKLearnModel",
+            "parameters": {"uri": "./model.joblib"},
+        }
+        self._write(os.path.join(self.models[index], "model-settings.json"), settings)
         self._repository(index, "load")
         return 0  # MLServer reports no sizes
 

@@ -580,3 +580,14 @@ def test_metadata_response_without_metadata(metadata):
     assert response.platform == "sklearn"
     assert list(response.versions) == []
     assert len(response.inputs) == 0 and len(response.outputs) == 0
+
+
+def test_the_rehearsal_requests_decode_typed_and_raw_and_encode_back():
+    seen_raw = []
+    for request_bytes in v2.sample_requests():
+        request = pb.ModelInferRequest.FromString(request_bytes)
+        inputs, _, raw = v2.decode_request(request)
+        assert inputs["x"].shape == (1, 4) and not inputs["x"].any()
+        assert pb.ModelInferResponse.FromString(v2.encode_response(request, inputs, raw)).outputs
+        seen_raw.append(raw)
+    assert sorted(seen_raw) == [False, True]

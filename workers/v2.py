@@ -56,6 +56,15 @@ class BadModelOutput(ValueError):
     """The model returned something V2 cannot carry."""
 
 
+def sample_requests() -> list[bytes]:
+    """Small ModelInferRequests, with typed and with raw contents, for a worker to rehearse on."""
+    typed = pb.ModelInferRequest(model_name="rehearsal")
+    typed.inputs.add(name="x", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([0.0] * 4)
+    raw = pb.ModelInferRequest(model_name="rehearsal", raw_input_contents=[bytes(16)])
+    raw.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    return [typed.SerializeToString(), raw.SerializeToString()]
+
+
 def decode_request(
     request: pb.ModelInferRequest, raw_inputs: list | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any], bool]:
