@@ -40,7 +40,7 @@ PROCESS_BYTES = 64 * 1024
 # first time. A worker that has served no call yet is charged it on top of
 # what it measures, so that the size of a model loaded a moment ago already
 # covers it (docs/density.md).
-FIRST_CALLS_BYTES = 384 * 1024
+FIRST_CALLS_BYTES = 640 * 1024
 # What the front holds for each worker it runs (its end of the worker's socket
 # and pipes, their buffers, its records of the worker): charged to the model the
 # worker serves, and so left out of the front's own cost in overhead().

@@ -144,7 +144,7 @@ class _StateCollector:
             "mesh_queue_depth", "Calls waiting for a free worker, per model", labels=["model"]
         )
         size = GaugeMetricFamily(
-            "mesh_model_memory_bytes", "Measured memory (USS) of each loaded model", labels=["model"]
+            "mesh_model_memory_bytes", "Reported size of each model (USS, kernel share)", labels=["model"]
         )
         ready = GaugeMetricFamily(
             "mesh_model_ready_replicas", "Workers ready to serve each model", labels=["model"]

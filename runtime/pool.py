@@ -139,7 +139,7 @@ class WorkerPool:
                     # this worker is for. The caller calls replenish() when done.
                     return worker
             if self._at_cap() and self._starting == 0:
-                raise status.out_of_workers(self.settings.workers_max, not filelimit.room_for_a_worker())
+                raise status.out_of_workers(self.settings.workers_max, not self._room_for_a_worker())
             waiter = asyncio.get_running_loop().create_future()
             self._spare_waiters.append(waiter)
             self._schedule_refill()
@@ -247,7 +247,10 @@ class WorkerPool:
 
     def _at_cap(self) -> bool:
         cap = self.settings.workers_max
-        return (cap > 0 and len(self._workers) >= cap) or not filelimit.room_for_a_worker()
+        return (cap > 0 and len(self._workers) >= cap) or not self._room_for_a_worker()
+
+    def _room_for_a_worker(self) -> bool:
+        return filelimit.room_for_a_worker(len(self._workers))
 
     def _schedule_refill(self) -> None:
         if not self._closing and (self._refill_task is None or self._refill_task.done()):

@@ -174,3 +174,16 @@ def test_a_load_past_the_limit_is_refused_and_takes_nothing_down():
         assert "healing" not in rt.log(), "a worker died on the way"
         rt.unload(loaded[0])  # frees a worker's descriptors: the next load fits again
         rt.load("after", rt.model_dir("after"))
+
+
+def test_descriptors_are_counted_only_once_the_limit_is_near(own_limits, monkeypatch):
+    counted = []
+    monkeypatch.setattr(filelimit, "open_descriptors", lambda: counted.append(1) or 100)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (10_000, own_limits[1]))
+    assert filelimit.room_for_a_worker(10) and not counted  # far from the limit: no count
+    assert filelimit.room_for_a_worker(2_000) and counted  # within a factor of two: counted
+    # Near the limit, the count decides: 100 open + 3 for the worker + 32 kept free.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (134, own_limits[1]))
+    assert not filelimit.room_for_a_worker(0)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (135, own_limits[1]))
+    assert filelimit.room_for_a_worker(0)
