@@ -35,12 +35,6 @@ _PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 KERNEL_STACK_BYTES = 16 * 1024
 MAPPING_BYTES = 384
 PROCESS_BYTES = 64 * 1024
-# What a worker's first calls add to it, whatever its model: the heap and
-# object arenas that decoding a request and encoding a reply touch for the
-# first time. A worker that has served no call yet is charged it on top of
-# what it measures, so that the size of a model loaded a moment ago already
-# covers it (docs/density.md).
-FIRST_CALLS_BYTES = 640 * 1024
 # What the front holds for each worker it runs (its end of the worker's socket
 # and pipes, their buffers, its records of the worker): charged to the model the
 # worker serves, and so left out of the front's own cost in overhead().
@@ -113,21 +107,20 @@ def cost_or_zero(pid: int | None) -> int:
         return 0
 
 
-def serving_cost(pid: int | None, has_served: bool) -> int:
+def serving_cost(pid: int | None, first_calls: int) -> int:
     """What the model worker `pid` costs the pod: cost(), its share of the front, and
-    FIRST_CALLS_BYTES until it has served a call.
+    `first_calls` bytes (0 once it has served a call: its format's first_calls_bytes
+    until then, so that a size measured at load already covers them).
 
     0 for a process that is gone, not ours or not started.
     """
     measured = cost_or_zero(pid)
-    if not measured:
-        return 0
-    return measured + FRONT_SHARE_BYTES + (0 if has_served else FIRST_CALLS_BYTES)
+    return measured + FRONT_SHARE_BYTES + first_calls if measured else 0
 
 
-def serving_costs(workers: list[tuple[int | None, bool]]) -> list[int]:
-    """serving_cost() of each (pid, has_served); blocking, so run it in a thread."""
-    return [serving_cost(pid, has_served) for pid, has_served in workers]
+def serving_costs(workers: list[tuple[int | None, int]]) -> list[int]:
+    """serving_cost() of each (pid, first_calls); blocking, so run it in a thread."""
+    return [serving_cost(pid, first_calls) for pid, first_calls in workers]
 
 
 def uss_each(pids: list[int | None]) -> list[int]:

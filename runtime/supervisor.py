@@ -160,7 +160,8 @@ class Supervisor:
                 for reply in replies:
                     if not reply["ok"]:
                         raise status.from_worker(spec.model_id, reply)
-                sizes = await asyncio.to_thread(memory.serving_costs, [(w.pid, False) for w in model.workers])
+                charged = [(w.pid, spec.format.first_calls_bytes) for w in model.workers]
+                sizes = await asyncio.to_thread(memory.serving_costs, charged)
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
@@ -362,7 +363,8 @@ class Supervisor:
 
     async def model_size(self, model_id: str) -> int:
         model = self.ready_model(model_id)
-        workers = [(w.pid, w.served > 0) for w in model.replicas.workers]
+        first_calls = model.spec.format.first_calls_bytes
+        workers = [(w.pid, 0 if w.served else first_calls) for w in model.replicas.workers]
         sizes = await asyncio.to_thread(memory.serving_costs, workers)
         if len(sizes) == self.settings.model_replicas and all(sizes):
             model.size = sum(sizes)

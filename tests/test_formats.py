@@ -182,7 +182,7 @@ def test_format_end_to_end(rt, examples, fmt):
     before = memory(rt)
     size = rt.load(model_id, path, fmt=fmt).sizeInBytes
     # The size also covers what the worker's first calls will add; none has run yet.
-    growth = memory(rt) - before + meter.FIRST_CALLS_BYTES
+    growth = memory(rt) - before + formats.by_name(fmt).first_calls_bytes
     assert abs(size - growth) <= 0.10 * growth, f"reported {size / MiB:.2f} MiB, grew {growth / MiB:.2f} MiB"
 
     served = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=example.outputs))

@@ -65,7 +65,7 @@ def _read_everything(pid: int, outcomes: dict) -> None:
             outcomes[type(error).__name__] += 1
     assert memory.cost_or_zero(pid) >= 0
     assert all(size >= 0 for size in memory.uss_each([pid, None]))
-    assert all(size >= 0 for size in memory.serving_costs([(pid, True), (None, False)]))
+    assert all(size >= 0 for size in memory.serving_costs([(pid, 0), (None, 0)]))
     assert memory.overhead(set()) > 0
 
 
@@ -164,7 +164,7 @@ def test_costs_and_sizes_answer_zero(rollup_fails, child, error):
     rollup_fails(error)
     assert memory.cost_or_zero(child.pid) == 0
     assert memory.uss_each([child.pid, ME, None]) == [0, 30 * 1024, 0]
-    assert memory.serving_costs([(child.pid, False), (None, False)]) == [0, 0]
+    assert memory.serving_costs([(child.pid, 1), (None, 1)]) == [0, 0]
 
 
 @pytest.mark.parametrize("error", ALL_ERRORS, ids=lambda e: type(e).__name__)
@@ -254,7 +254,7 @@ def test_kill_a_worker_whose_process_is_gone():
 
 def test_a_worker_that_has_not_served_is_charged_its_first_calls(monkeypatch):
     monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 0 if pid is None else 5 * 1024 * 1024)
-    first, served, gone = memory.serving_costs([(1, False), (1, True), (None, False)])
+    first, served, gone = memory.serving_costs([(1, 384 * 1024), (1, 0), (None, 384 * 1024)])
     assert served == 5 * 1024 * 1024 + memory.FRONT_SHARE_BYTES
-    assert first == served + memory.FIRST_CALLS_BYTES
+    assert first == served + 384 * 1024
     assert gone == 0  # nothing charged for a process that is not there

@@ -22,7 +22,8 @@ import dataclasses
 import importlib
 import os
 
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Format:
     # predict() answers each row of its input on its own, so calls that
     # queued up together may share one predict (workers/batching.py).
     batches_rows: bool = False
+    # What a worker's first calls add to it, charged in its reported size until
+    # it has served one: a spare rehearses the common call path, but not the
+    # model's own first predict (docs/density.md).
+    first_calls_bytes: int = 384 * KiB
 
     def matches(self, file_name: str) -> bool:
         return file_name in self.file_names or file_name.endswith(self.suffixes or ("\0",))
@@ -133,6 +138,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".pt",),
         aliases=("torch", "torchscript", "pytorch_libtorch"),
         size_floor=14 * MiB,
+        first_calls_bytes=768 * KiB,  # its first forward() profiles the graph
     ),
 )
 
