@@ -172,11 +172,18 @@ def overhead(model_pids: set[int]) -> int:
     """
     front = psutil.Process()
     total = max(0, cost(front.pid) - FRONT_SHARE_BYTES * len(model_pids))
-    for process in front.children(recursive=True):
+    descendants = front.children(recursive=True)  # one walk of /proc, not one per process
+    parents = set()
+    for process in descendants:
+        try:
+            parents.add(process.ppid())
+        except psutil.Error:
+            pass
+    for process in descendants:
         if process.pid in model_pids:
             continue
         try:
-            if process.children():
+            if process.pid in parents:
                 total += resident(process.pid) + kernel_share(process.pid)
             else:
                 total += cost(process.pid)

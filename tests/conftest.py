@@ -1,5 +1,9 @@
+import re
+
 import pytest
 from harness import Runtime
+
+from meshtest import cgroup
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +24,11 @@ def rt(runtime):
     assert runtime.model_workers() == 0, "an earlier test left a model loaded"
     yield runtime
     assert runtime.process.poll() is None, f"runtime died:\n{runtime.log()}"
+
+
+@pytest.fixture
+def meter(request):
+    """A memory cgroup of its own for the test's runtime (meshtest/cgroup.py), removed afterwards."""
+    meter = cgroup.Meter(re.sub(r"[^A-Za-z0-9_-]", "-", request.node.name)[:40])
+    yield meter
+    meter.remove()

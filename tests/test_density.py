@@ -20,13 +20,6 @@ CONTAINER = 8 * 1024 * MiB
 BUFFER = 128 * MiB
 
 
-@pytest.fixture
-def meter():
-    meter = cgroup.Meter("density-test")
-    yield meter
-    meter.remove()
-
-
 def settle(rt: Runtime, model_workers: int) -> None:
     def settled() -> bool:
         return len(alive(rt.spares())) == WARM and rt.model_workers() == model_workers

@@ -16,7 +16,6 @@ import grpc
 import pytest
 from harness import ECHO_MODEL, MiB, Runtime, alive, wait_until
 
-from meshtest import cgroup
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 
@@ -44,13 +43,6 @@ def settle(rt: Runtime) -> None:
         return len(alive(rt.spares())) == 1 and rt.model_workers() == MODELS
 
     wait_until(settled, timeout=60, interval=0.1, what=f"{MODELS} model workers and a spare")
-
-
-@pytest.fixture
-def meter():
-    meter = cgroup.Meter("faults-test")
-    yield meter
-    meter.remove()
 
 
 @pytest.mark.slow  # loads 40 models and heals four of them under traffic
