@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
 
@@ -45,6 +46,17 @@ def start(
     context.set_forkserver_preload(["workers.preload"])
     multiprocessing.forkserver.ensure_running()
     return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+
+def forget(process: multiprocessing.process.BaseProcess) -> None:
+    """Drops a started worker from multiprocessing's own list of children.
+
+    multiprocessing keeps every process it started in a set and polls each
+    member (a select() on its sentinel) every time it starts another, so a
+    start would cost more with every model loaded. The pool watches and joins
+    its workers itself, so the set only slows it down.
+    """
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
 def stop() -> None:

@@ -43,6 +43,7 @@ from plumbing import lifeline, stacks
 from runtime import filelimit, forkserver, heartbeat, status
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
+from runtime.heaptrim import QuietTrimmer
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker, WorkerState
@@ -81,6 +82,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._refill_task: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
+        self._heap = QuietTrimmer()
         self._closing = False
 
     # -- start and stop -------------------------------------------------------
@@ -122,6 +124,7 @@ class WorkerPool:
             self.kill(worker, KillCause.SHUTDOWN, "the front is stopping")
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
+        self._heap.cancel()  # the front is about to exit: that gives everything back
         await asyncio.get_running_loop().run_in_executor(self._spawner, forkserver.stop)
         self._spawner.shutdown(wait=True)
         await self.channel.close()
@@ -316,6 +319,7 @@ class WorkerPool:
     def _start_process(self, process: multiprocessing.process.BaseProcess) -> int:
         """Spawner thread: ask the fork server for a child and record it."""
         process.start()
+        forkserver.forget(process)
         pid = process.pid
         assert pid is not None  # start() returned: the fork server forked the child and sent its pid
         self.registry.add(pid)
@@ -369,6 +373,7 @@ class WorkerPool:
             extra={"model_id": worker.model_id} if worker.model_id else None,
         )
         self._on_worker_exit(worker, code)
+        self._heap.note()  # what the front held for the worker is free now
         self._schedule_refill()
 
     def _collect_exit(self, worker: Worker) -> int | None:

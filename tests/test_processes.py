@@ -1,6 +1,7 @@
 """Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
 
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from harness import Runtime, alive, tree, wait_until
 from test_runtime_dir import record, start_titled
 
 from plumbing import priority, titles
+from runtime import forkserver
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -259,3 +261,14 @@ def test_a_taken_metrics_port_stops_the_front_with_exit_2_and_the_reason():
         port = taken.getsockname()[1]
         code, log = _run_until_it_exits(Runtime(METRICS_PORT=str(port)))
     assert code == 2 and f"cannot serve metrics on METRICS_PORT={port}" in log
+
+
+def test_a_forgotten_process_is_no_longer_polled_at_each_start_but_still_joins():
+    # multiprocessing polls every child it knows at each start(): the pool's
+    # workers are forgotten, so a load does not cost more per model loaded.
+    process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(1,))
+    process.start()
+    forkserver.forget(process)
+    assert process not in multiprocessing.active_children()  # alive, yet no longer listed
+    process.join(timeout=10)
+    assert process.exitcode == 0
