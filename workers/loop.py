@@ -31,7 +31,6 @@ model down.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
 import logging
 import os
@@ -42,7 +41,7 @@ from typing import Any
 
 import zmq
 
-from plumbing import lifeline, titles
+from plumbing import heap, lifeline, titles
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from workers import batching, formats, protocol, v2
@@ -57,14 +56,6 @@ BEAT_MS = 5000
 # alone, and groups BEAT_GROUP_GAP_MS apart keep every burst short.
 BEAT_GROUP = 100
 BEAT_GROUP_GAP_MS = 100
-
-
-def trim_memory() -> None:
-    """Hands freed heap back to the OS so the front measures what the model keeps."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except AttributeError:  # not glibc
-        pass
 
 
 class Worker:
@@ -248,7 +239,7 @@ class Worker:
                 extra={"model_id": self.model_id},
             )
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
-        trim_memory()
+        heap.trim()  # the front then measures what the model keeps
         fmt = formats.by_name(self.format)
         assert fmt is not None, self.format  # formats.load() raised for an unknown format
         self.batches_rows = fmt.batches_rows and self.batch_max > 1

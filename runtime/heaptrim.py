@@ -1,0 +1,49 @@
+"""The front gives its freed heap back to the OS once the workers stop exiting.
+
+Each worker the pool reaps frees what the front held for it, and glibc keeps
+that memory mapped: after unloading a thousand models the front stayed tens
+of MiB above where it started. malloc_trim() walks every arena and locks
+each while it does, so it runs in a thread, once per burst of exits: when
+QUIET_SECONDS have passed with no exit, not after each one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from plumbing import heap
+
+log = logging.getLogger("mesh.heap")
+
+QUIET_SECONDS = 1.0
+
+
+class QuietTrimmer:
+    """Calls `trim` in a thread once `quiet_seconds` pass after the last note()."""
+
+    def __init__(self, quiet_seconds: float = QUIET_SECONDS, trim: Callable[[], None] = heap.trim):
+        self.quiet_seconds = quiet_seconds
+        self._trim = trim
+        self._last_note = 0.0
+        self._task: asyncio.Task | None = None
+
+    def note(self) -> None:
+        """Something that held memory just went away: trim once things are quiet."""
+        self._last_note = time.monotonic()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._trim_when_quiet(), name="heap-trim")
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _trim_when_quiet(self) -> None:
+        while (wait := self._last_note + self.quiet_seconds - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
+        try:
+            await asyncio.to_thread(self._trim)
+        except Exception:  # a failed trim costs memory, never a model: say so and go on
+            log.exception("could not give the front's free heap back to the OS")

@@ -1,0 +1,88 @@
+"""plumbing/heap.py and runtime/heaptrim.py: freed heap goes back to the OS, once per burst of exits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+
+from runtime.heaptrim import QuietTrimmer
+
+QUIET = 0.2
+
+
+def test_trim_gives_a_fragmented_heap_back_to_the_os():
+    # Every 50th buffer kept alive pins the heap's top, so glibc's automatic
+    # trim at free() cannot shrink it; only malloc_trim() returns the holes.
+    script = """
+import os
+from plumbing import heap
+
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+buffers = [bytearray(4000) for _ in range(50_000)]
+kept = buffers[::50]
+del buffers
+before = resident()
+heap.trim()
+print(before - resident())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    given_back = int(run.stdout)
+    assert given_back > 100 * 1024 * 1024
+
+
+def test_a_burst_of_notes_trims_once_when_it_is_quiet():
+    trims: list[float] = []
+
+    async def burst() -> float:
+        trimmer = QuietTrimmer(QUIET, lambda: trims.append(time.monotonic()))
+        for _ in range(5):
+            trimmer.note()
+            last_note = time.monotonic()
+            await asyncio.sleep(QUIET / 4)
+        assert trims == []  # not while notes keep coming
+        await asyncio.sleep(QUIET * 3)
+        return last_note
+
+    last_note = asyncio.run(burst())
+    assert len(trims) == 1
+    assert trims[0] - last_note >= QUIET * 0.9
+
+
+def test_a_failed_trim_is_logged_and_the_next_burst_trims_again(caplog):
+    calls: list[int] = []
+
+    def failing_once() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("no")
+
+    async def two_bursts() -> None:
+        trimmer = QuietTrimmer(QUIET / 4, failing_once)
+        trimmer.note()
+        await asyncio.sleep(QUIET)
+        trimmer.note()
+        await asyncio.sleep(QUIET)
+
+    with caplog.at_level(logging.ERROR, logger="mesh.heap"):
+        asyncio.run(two_bursts())
+    assert len(calls) == 2
+    assert "could not give the front's free heap back" in caplog.text
+
+
+def test_cancel_stops_a_pending_trim():
+    trims: list[int] = []
+
+    async def cancelled() -> None:
+        trimmer = QuietTrimmer(QUIET, lambda: trims.append(1))
+        trimmer.note()
+        trimmer.cancel()
+        await asyncio.sleep(QUIET * 2)
+
+    asyncio.run(cancelled())
+    assert trims == []
