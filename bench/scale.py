@@ -18,6 +18,8 @@ them out) are loaded two at a time, as model-mesh does, in steps (default
   scheduler's run time of every thread, /proc/PID/task/TID/schedstat);
 - processes in the tree and the descriptors the front holds open.
 
+Once 500 models are loaded (or at the last step, if fewer are asked for), a
+tenth of the model workers are SIGKILLed under traffic (bench/scale_faults.py).
 Then every model is unloaded, two at a time; the time that takes until every
 model's worker is reaped, and the memory left above the start.
 
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 
+from bench import scale_faults
 from bench.common import REPO, MiB, percentile, progress
 from bench.scale_servers import MeshRuntime, MLServerRepository, ScaleServer
 from meshtest import cgroup, harness
@@ -174,12 +177,22 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
             )
             figures["steps"].append(step)
             print_step(server.name, step)
+            if wants_faults(server, figures, loaded, steps):
+                figures["faults"] = scale_faults.run_faults(server, meter, base, loaded)
+                print(f"  {server.name} {scale_faults.describe(figures['faults'])}", file=sys.stderr)
         progress(f"{server.name}: unloading all {loaded}")
         figures.update(unload_all(server, meter, base, loaded))
     except Exception as error:
         figures["error"] = f"{type(error).__name__}: {error}"[:300]
         print(f"{server.name}: ERROR {figures['error']}", file=sys.stderr)
     return figures
+
+
+def wants_faults(server: ScaleServer, figures: dict, loaded: int, steps: tuple[int, ...]) -> bool:
+    """The faults phase runs once, on mesh-runtime, at FAULTS_AT models or at the last step below it."""
+    if not isinstance(server, MeshRuntime) or "faults" in figures:
+        return False
+    return loaded >= scale_faults.FAULTS_AT or loaded == max(steps)
 
 
 def print_step(name: str, s: dict) -> None:
@@ -264,5 +277,7 @@ def print_report(figures: dict) -> None:
                 f"{name}: unloading all {system['steps'][-1]['models']} took {system['unload_all_s']:.1f} s, "
                 f"{system['left_bytes'] / MiB:+.1f} MiB left above the start"
             )
+        if "faults" in system:
+            print(f"{name} {scale_faults.describe(system['faults'])}")
         if "error" in system:
             print(f"{name}: stopped by {system['error']}")

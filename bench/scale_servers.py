@@ -24,6 +24,7 @@ from bench.servers import stop_process, wait_port
 from meshtest import cgroup, harness
 from protos import grpc_predict_v2_pb2 as pb
 from protos import grpc_predict_v2_pb2_grpc as pb_grpc
+from protos import model_runtime_pb2 as mm
 
 WARM = 2  # the product's WORKERS_WARM
 SAMPLE = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
@@ -82,13 +83,44 @@ class MeshRuntime:
         return size
 
     def infer(self, index: int) -> None:
-        self.rt.infer.ModelInfer(
-            iris_request(index), metadata=harness.mesh_headers(model_id(index)), timeout=30
-        )
+        self.infer_within(index, 30)
 
     def unload(self, index: int) -> None:
         self.rt.unload(model_id(index))
         self.loaded -= 1
+
+    def try_infer(self, index: int, deadline_s: float) -> grpc.StatusCode:
+        """One call to model `index`; its status, OK or not, instead of an exception."""
+        try:
+            self.infer_within(index, deadline_s)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    def infer_within(self, index: int, deadline_s: float) -> None:
+        self.rt.infer.ModelInfer(
+            iris_request(index), metadata=harness.mesh_headers(model_id(index)), timeout=deadline_s
+        )
+
+    def worker_pids(self) -> dict[int, int]:
+        """The pid serving each loaded model, by index, read from the workers' titles."""
+        pids = {}
+        for process in self.rt.workers():
+            try:
+                title = " ".join(process.cmdline())
+            except psutil.Error:
+                continue
+            for word in title.split():
+                if word.startswith("model=m") and word[len("model=m") :].isdigit():
+                    pids[int(word[len("model=m") :])] = process.pid
+        return pids
+
+    def reported_now(self) -> int:
+        """The sum of what modelSize says of every loaded model now."""
+        return sum(
+            self.rt.mesh.modelSize(mm.ModelSizeRequest(modelId=model_id(i)), timeout=30).sizeInBytes
+            for i in range(self.loaded)
+        )
 
     def _workers_are(self, count: int) -> bool:
         return len(harness.alive(self.rt.spares())) == WARM and len(harness.alive(self.rt.workers())) == count
