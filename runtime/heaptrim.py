@@ -2,14 +2,18 @@
 
 Each worker the pool reaps frees what the front held for it, and glibc keeps
 that memory mapped: after unloading a thousand models the front stayed tens
-of MiB above where it started. malloc_trim() walks every arena and locks
-each while it does, so it runs in a thread, once per burst of exits: when
-QUIET_SECONDS have passed with no exit, not after each one.
+of MiB above where it started. Some of what a worker's records hold is in
+reference cycles, freed only by a garbage collection, which an idle front may
+not run for a long time; so the trim collects first. Both hold the process
+for milliseconds (the collection holds the GIL, malloc_trim() locks each
+arena), so they run in a thread, once per burst of exits: when QUIET_SECONDS
+have passed with no exit, not after each one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -24,9 +28,9 @@ QUIET_SECONDS = 1.0
 class QuietTrimmer:
     """Calls `trim` in a thread once `quiet_seconds` pass after the last note()."""
 
-    def __init__(self, quiet_seconds: float = QUIET_SECONDS, trim: Callable[[], None] = heap.trim):
+    def __init__(self, quiet_seconds: float = QUIET_SECONDS, trim: Callable[[], None] | None = None):
         self.quiet_seconds = quiet_seconds
-        self._trim = trim
+        self._trim = trim or collect_and_trim
         self._last_note = 0.0
         self._task: asyncio.Task | None = None
 
@@ -47,3 +51,9 @@ class QuietTrimmer:
             await asyncio.to_thread(self._trim)
         except Exception:  # a failed trim costs memory, never a model: say so and go on
             log.exception("could not give the front's free heap back to the OS")
+
+
+def collect_and_trim() -> None:
+    """Frees what only a collection frees, then gives the free heap back."""
+    gc.collect()
+    heap.trim()

@@ -28,4 +28,5 @@ def test_the_scale_benchmark_measures_a_few_python_models_from_outside(monkeypat
     assert system["unload_all_s"] > 0 and abs(system["left_bytes"]) < 64 * MiB
     scale.print_report(figures)
     shown = capsys.readouterr().out
-    assert "growth per model, MiB" in shown and "mesh-runtime python N=4" in shown and "faults at N=4" in shown
+    assert "growth per model, MiB" in shown and "mesh-runtime python N=4" in shown
+    assert "faults at N=4" in shown

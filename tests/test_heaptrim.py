@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import subprocess
 import sys
 import time
+import weakref
 
-from runtime.heaptrim import QuietTrimmer
+from runtime.heaptrim import QuietTrimmer, collect_and_trim
 
 QUIET = 0.2
 
@@ -34,6 +36,27 @@ print(before - resident())
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     given_back = int(run.stdout)
     assert given_back > 100 * 1024 * 1024
+
+
+class Record:
+    """Stands for a reaped worker's records: they refer to each other, so only a collection frees them."""
+
+    def __init__(self):
+        self.me = self
+        self.buffer = bytearray(1024 * 1024)
+
+
+def test_the_front_collects_cycles_before_it_trims():
+    gc.disable()  # no automatic collection may free it first
+    try:
+        record = Record()
+        alive = weakref.ref(record)
+        del record
+        assert alive() is not None
+        collect_and_trim()
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_a_burst_of_notes_trims_once_when_it_is_quiet():
