@@ -3,8 +3,8 @@
 A ping and its pong per worker and per second would wake the front and every
 idle worker for each model loaded, so idle CPU would grow with the number of
 models. Instead each worker stamps its own slot of a shared file with
-time.monotonic() whenever its loop wakes, and an idle worker wakes twice per
-WORKER_HEARTBEAT_TIMEOUT_MS only to do that (workers/loop.py). The front's
+time.monotonic() whenever its loop wakes, and an idle worker wakes only to do
+that, as seldom as its silence limit allows (runtime/heartbeat.py idle_beat_ms). The front's
 heartbeat reads the slots once a second (runtime/heartbeat.py): memory reads,
 no system call, nothing sent.
 

@@ -31,11 +31,17 @@ log = logging.getLogger("mesh.heartbeat")
 HEARTBEAT_SECONDS = 1.0
 # The heartbeat waking this much later than due means the front's own loop was stalled.
 STALL_SECONDS = 1.0
-# An idle worker beats this many times per silence limit: a healthy one is
-# never silent for more than half the limit, and each beat of each idle
-# worker is a wake-up that costs CPU.
-BEATS_PER_LIMIT = 2
+# Each beat of each idle worker is a wake-up that costs CPU, so an idle worker
+# beats as seldom as leaves it this long to spare before its silence limit:
+# a worker that is runnable but kept off the CPU that long by a busy machine
+# must not be taken for hung. A short limit is beaten at least twice.
+BEAT_MARGIN_MS = 2500
 _NOT_JUDGED = (WorkerState.STARTING, WorkerState.CONDEMNED, WorkerState.EXITED)
+
+
+def idle_beat_ms(silence_limit_ms: int) -> int:
+    """How often an idle worker stamps its slot (workers/loop.py) under this silence limit."""
+    return max(1, silence_limit_ms // 2, silence_limit_ms - BEAT_MARGIN_MS)
 
 
 async def watch_forever(pool: WorkerPool, silence_limit: float) -> None:

@@ -280,7 +280,7 @@ class WorkerPool:
             "heartbeat_timeout": FRONT_CHECK_SECONDS,
             "beats": self.beats.path,
             "beat_slot": slot,
-            "beat_ms": max(1, self.settings.worker_heartbeat_timeout_ms // heartbeat.BEATS_PER_LIMIT),
+            "beat_ms": heartbeat.idle_beat_ms(self.settings.worker_heartbeat_timeout_ms),
             "front": lifeline.process_identity(os.getpid()),
             "threads": self.settings.worker_threads,
             "batch_max": self.settings.worker_batch_max,

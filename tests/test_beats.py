@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from runtime import heartbeat
 from runtime.beats import BEATS_NAME, BeatFile
 from workers import protocol
 
@@ -75,3 +76,12 @@ def test_a_file_an_earlier_front_left_is_replaced_not_shared(tmp_path):
         assert os.listdir(tmp_path) == [BEATS_NAME]
     finally:
         beats.close()
+
+
+@pytest.mark.parametrize(
+    ("limit_ms", "beat_ms"),
+    [(10_000, 7_500), (20_000, 17_500), (5_000, 2_500), (2_000, 1_000), (1_000, 500)],
+)
+def test_an_idle_worker_beats_as_seldom_as_leaves_a_margin_and_twice_per_short_limit(limit_ms, beat_ms):
+    assert heartbeat.idle_beat_ms(limit_ms) == beat_ms
+    assert limit_ms - beat_ms >= min(heartbeat.BEAT_MARGIN_MS, limit_ms / 2)
