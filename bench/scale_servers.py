@@ -122,20 +122,22 @@ class MeshRuntime:
             for i in range(self.loaded)
         )
 
-    def _workers_are(self, count: int) -> bool:
-        return len(harness.alive(self.rt.spares())) == WARM and len(harness.alive(self.rt.workers())) == count
+    def _workers_are(self, models: int) -> bool:
+        """`models` model workers plus the spares of every fork server in use, and no other worker."""
+        spares = self.rt.spares_wanted(WARM)
+        return (
+            len(harness.alive(self.rt.spares())) == spares
+            and len(harness.alive(self.rt.workers())) == models + spares
+        )
 
     def wait_settled(self) -> None:
         harness.wait_until(
-            lambda: self._workers_are(self.loaded + WARM),
-            timeout=120,
-            interval=0.2,
-            what="the pool to settle",
+            lambda: self._workers_are(self.loaded), timeout=120, interval=0.2, what="the pool to settle"
         )
 
     def wait_unloaded(self) -> None:
         harness.wait_until(
-            lambda: self._workers_are(WARM), timeout=120, interval=0.1, what="every worker reaped"
+            lambda: self._workers_are(0), timeout=120, interval=0.1, what="every worker reaped"
         )
 
     def root_pid(self) -> int:

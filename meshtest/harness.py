@@ -275,13 +275,21 @@ class Runtime:
     def spares(self) -> list[psutil.Process]:
         return [p for p in self.workers() if "worker spare" in " ".join(_cmdline(p))]
 
+    def forkservers(self) -> list[psutil.Process]:
+        """The fork servers running: the base one, and one per framework a model was loaded of."""
+        return [p for p in tree(self.pid) if "mesh-runtime forkserver" in " ".join(_cmdline(p))]
+
+    def spares_wanted(self, warm: int) -> int:
+        """The spares a settled runtime keeps: `warm` (its WORKERS_WARM) per fork server."""
+        return warm * max(1, len(alive(self.forkservers())))
+
     def settled_uss(self, warm: int = 1, timeout: float = 15.0) -> int:
-        """Tree USS once exactly `warm` spares run and two readings 0.3 s apart agree
-        (same processes, within 0.5 MiB): no worker still starting or dying."""
+        """Tree USS once exactly `warm` spares per fork server run and two readings 0.3 s apart
+        agree (same processes, within 0.5 MiB): no worker still starting or dying."""
         deadline = time.monotonic() + timeout
         previous = None
         while time.monotonic() < deadline:
-            if len(alive(self.spares())) == warm:
+            if len(alive(self.spares())) == self.spares_wanted(warm):
                 reading = (sorted(p.pid for p in alive(tree(self.pid))), tree_uss(self.pid))
                 if previous and previous[0] == reading[0] and abs(previous[1] - reading[1]) < MiB // 2:
                     return reading[1]

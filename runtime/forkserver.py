@@ -1,51 +1,128 @@
-"""multiprocessing's fork server, as the front uses it: started once, stopped at the end.
+"""multiprocessing's fork servers, as the front uses them: one per framework, and a base one.
 
-The fork server imports WORKER_PRELOAD and the worker code once
-(workers/preload.py), then forks every worker, so a new worker starts in
-milliseconds with a few MiB of its own memory. multiprocessing offers no
-public call to learn its pid or to stop it; both are read from its private
-fields, as its own tests do.
+A fork server imports numpy, the worker code and one framework once
+(workers/preload.py), then forks the workers of that framework's formats, so
+a new worker starts in milliseconds with a few MiB of its own memory. All are
+started with the pool, before the runtime says it is ready: the capacity it
+reports then already holds them. One
+fork server per framework, not one for all: every fork copies the page-table
+entries of the fork server's private memory, and the front's measurement of
+each worker walks them again: a python model's worker forked from a fork
+server that had also imported torch, onnxruntime and scikit-learn took
+longer to fork and to measure, and mapped many more regions (docs/density.md).
+The "base" fork server, started with the pool, imports no framework: it
+forks the workers of python models, and of any format whose framework is not
+in WORKER_PRELOAD (such a worker imports the framework itself).
+
+multiprocessing has one fork server per process and offers no public call to
+run another, learn its pid or stop it. Each ForkServer here is an instance of
+its class, and a start is pointed at the right one by swapping the module's
+connect function for the duration of Process.start(): every start happens on
+the pool's one spawner thread, so no two swaps overlap.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
+from collections.abc import Callable
 
 from plumbing import logsetup, titles
-from workers import protocol
+from workers import formats, protocol
 
 log = logging.getLogger("mesh.forkserver")
 
+BASE_GROUP = "base"
+FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework)
 
-def start(
-    context: multiprocessing.context.BaseContext,
-    preload: tuple[str, ...],
-    runtime_dir: str,
-    log_settings: tuple[str, str],
-) -> int | None:
-    """Starts the fork server; its pid, or None if multiprocessing hides it.
 
-    Call it on the main thread: the fork server's parent-death signal follows
-    the thread that started it. The resource tracker (the front's other
-    child) is not named here: it cannot carry our title, so a later front's
-    purge could never tell it from a stranger's process, and it exits by
-    itself once the front, the fork server and the workers are gone (the
-    last end of its pipe closes).
+def group_for(format_name: str, preload: tuple[str, ...]) -> str:
+    """The fork server for workers of `format_name`: its framework's if preloaded, else the base one."""
+    fmt = formats.by_name(format_name)
+    framework = fmt.framework if fmt is not None else None
+    return framework if framework in preload else BASE_GROUP
+
+
+class ForkServers:
+    """The fork servers of one pool. Call every method from the spawner thread only.
+
+    That thread is also the fork servers' parent thread, so their parent-death
+    signal (workers/preload.py) fires if it ends.
     """
-    os.environ[protocol.PRELOAD_ENV] = ",".join(preload)
-    os.environ[titles.RUNTIME_DIR_ENV] = runtime_dir  # for the fork server's title
-    # The fork server sets the workers' log level once for all of them: set in
-    # each worker, it would copy every logger's page (plumbing/logsetup.py).
-    os.environ[logsetup.LOG_ENV] = " ".join(log_settings)
-    context.set_forkserver_preload(["workers.preload"])
-    multiprocessing.forkserver.ensure_running()
-    return getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+
+    def __init__(self, preload: tuple[str, ...], runtime_dir: str, log_settings: tuple[str, str], on_started):
+        self._preload = preload
+        self._common = tuple(module for module in preload if module not in FRAMEWORKS)
+        self._runtime_dir = runtime_dir
+        self._log_settings = log_settings
+        self._on_started: Callable[[int], None] = on_started  # told each new fork server's pid
+        self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
+        self._pids: dict[str, int] = {}
+
+    def groups(self) -> tuple[str, ...]:
+        """The base fork server, then one per framework in WORKER_PRELOAD."""
+        return (BASE_GROUP, *(module for module in self._preload if module in FRAMEWORKS))
+
+    def preload_of(self, group: str) -> tuple[str, ...]:
+        return self._common if group == BASE_GROUP else (*self._common, group)
+
+    def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
+        """Forks `process` from the group's fork server, starting that first if need be; its pid."""
+        server = self._servers.get(group)
+        if server is None:
+            server = self._servers[group] = multiprocessing.forkserver.ForkServer()
+            server.set_forkserver_preload(["workers.preload"])
+        # Read by the fork server as it starts, here or when multiprocessing
+        # restarts one that died.
+        os.environ[protocol.PRELOAD_ENV] = ",".join(self.preload_of(group))
+        os.environ[protocol.FORKSERVER_GROUP_ENV] = group
+        os.environ[titles.RUNTIME_DIR_ENV] = self._runtime_dir  # for the fork server's title
+        # The fork server sets the workers' log level once for all of them: set in
+        # each worker, it would copy every logger's page (plumbing/logsetup.py).
+        os.environ[logsetup.LOG_ENV] = " ".join(self._log_settings)
+        default_connect = multiprocessing.forkserver.connect_to_new_process
+        multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
+        try:
+            process.start()
+        finally:
+            multiprocessing.forkserver.connect_to_new_process = default_connect
+        self._note_pid(group, server)
+        forget(process)
+        assert process.pid is not None  # start() returned: the fork server sent the child's pid
+        return process.pid
+
+    def pids(self) -> dict[str, int]:
+        """The pid of each fork server started, by group."""
+        return dict(self._pids)
+
+    def stop(self) -> None:
+        """Stops and reaps every fork server and the resource tracker.
+
+        All would also exit on their own once this process is gone.
+        """
+        tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+        helpers = [*self._servers.values(), tracker]
+        for helper in helpers:
+            stop_helper = getattr(helper, "_stop", None)
+            if stop_helper is not None:
+                try:
+                    stop_helper()
+                except (OSError, ChildProcessError) as error:
+                    log.warning("stopping a multiprocessing helper: %s", error)
+
+    def _note_pid(self, group: str, server: multiprocessing.forkserver.ForkServer) -> None:
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is None:
+            log.warning("cannot find the %s fork server's pid: a later front could not purge it", group)
+        elif self._pids.get(group) != pid:
+            if group in self._pids:
+                log.warning("the %s fork server died; multiprocessing started another", group)
+            self._pids[group] = pid
+            log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
+            self._on_started(pid)
 
 
 def forget(process: multiprocessing.process.BaseProcess) -> None:
@@ -57,20 +134,3 @@ def forget(process: multiprocessing.process.BaseProcess) -> None:
     its workers itself, so the set only slows it down.
     """
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
-
-
-def stop() -> None:
-    """Stops and reaps the fork server and the resource tracker.
-
-    Both would also exit on their own once this process is gone.
-    """
-    for helper in (
-        getattr(multiprocessing.forkserver, "_forkserver", None),
-        getattr(multiprocessing.resource_tracker, "_resource_tracker", None),
-    ):
-        stop_helper = getattr(helper, "_stop", None)
-        if stop_helper is not None:
-            try:
-                stop_helper()
-            except (OSError, ChildProcessError) as error:
-                log.warning("stopping a multiprocessing helper: %s", error)

@@ -6,11 +6,12 @@ KillCause that also names the metric label). What the rest of the front
 needs from workers it asks here: `take()` a spare, `send_load()`,
 `submit_call()`, `kill()`.
 
-Every worker is forked by multiprocessing's fork server, which imported numpy,
-the frameworks and the worker code once (workers/preload.py), so a new worker
-starts in milliseconds with a few MiB of its own memory. The pool keeps
-WORKERS_WARM idle spares connected; `take()` hands one out and a background
-refill forks the next.
+Every worker is forked by one of multiprocessing's fork servers, one per
+framework (runtime/forkserver.py), which imported numpy, that framework and
+the worker code once (workers/preload.py), so a new worker starts in
+milliseconds with a few MiB of its own memory. For each fork server in use
+the pool keeps WORKERS_WARM idle spares connected; `take()` hands out one of
+the model's fork server and a background refill forks the next.
 
 The pool also owns the beat file (runtime/beats.py): each worker gets a
 slot in it at spawn and gives it back when reaped; the heartbeat
@@ -46,6 +47,7 @@ from runtime.channel import Channel, PeerGone
 from runtime.heaptrim import QuietTrimmer
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
+from runtime.spares import Spares
 from runtime.worker import KillCause, Worker, WorkerState
 from workers import protocol
 
@@ -74,10 +76,13 @@ class WorkerPool:
         self._on_worker_exit = on_worker_exit
         self._context = multiprocessing.get_context("forkserver")
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
+        log_settings = (settings.log_level, settings.log_format)
+        self._forkservers = forkserver.ForkServers(
+            settings.worker_preload, settings.runtime_dir, log_settings, on_started=self.registry.add
+        )
         self._workers: dict[bytes, Worker] = {}
-        self._spares: collections.deque[Worker] = collections.deque()
-        self._spare_waiters: collections.deque[asyncio.Future] = collections.deque()
-        self._starting = 0
+        self._spares = Spares(settings.workers_warm, self._forkservers.groups())
+        self._starting: collections.Counter[str] = collections.Counter()  # workers forked, no hello yet
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._refill_task: asyncio.Task | None = None
@@ -92,23 +97,12 @@ class WorkerPool:
         purged = await asyncio.to_thread(self.registry.purge)
         if purged:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
-        self._start_forkserver()
         self.channel.start()
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
         await self._refill()
         self.ready = True
-        log.info("worker pool ready: %d warm spares", len(self._spares))
-
-    def _start_forkserver(self) -> None:
-        log_settings = (self.settings.log_level, self.settings.log_format)
-        pid = forkserver.start(
-            self._context, self.settings.worker_preload, self.settings.runtime_dir, log_settings
-        )
-        if pid is None:
-            log.warning("cannot find the fork server's pid; a later front will not purge it if it is left")
-        else:
-            self.registry.add(pid)
+        log.info("worker pool ready: %d warm spares", len(self.spares()))
 
     async def close(self) -> None:
         """Kills every worker, waits until each is reaped, stops the fork server."""
@@ -125,35 +119,25 @@ class WorkerPool:
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
         self._heap.cancel()  # the front is about to exit: that gives everything back
-        await asyncio.get_running_loop().run_in_executor(self._spawner, forkserver.stop)
+        await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.stop)
         self._spawner.shutdown(wait=True)
         await self.channel.close()
         self.beats.close()
 
     # -- handing out workers --------------------------------------------------
 
-    async def take(self) -> Worker:
-        """A connected idle worker, now owned by the caller (who must kill it in the end)."""
-        while True:
-            while self._spares:
-                worker = self._spares.popleft()
-                if worker.state is WorkerState.SPARE:
-                    # No refill yet: on two cores a fork now would slow the load
-                    # this worker is for. The caller calls replenish() when done.
-                    return worker
-            if self._at_cap() and self._starting == 0:
+    async def take(self, format_name: str) -> Worker:
+        """A connected idle worker for a model of `format_name`, now owned by the caller
+        (who must kill it in the end)."""
+        group = forkserver.group_for(format_name, self.settings.worker_preload)
+        while (worker := self._spares.pop(group)) is None:
+            if self._at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
                 raise status.out_of_workers(self.settings.workers_max, not self._room_for_a_worker())
-            waiter = asyncio.get_running_loop().create_future()
-            self._spare_waiters.append(waiter)
-            self._schedule_refill()
-            try:
-                await waiter
-            except BaseException:
-                # We gave up: a spare meant for us goes to the next in line.
-                self._spare_waiters.remove(waiter)
-                self._wake_a_waiter()
-                raise
-            self._spare_waiters.remove(waiter)
+            self._schedule_refill()  # at the cap, it makes room (_refill)
+            await self._spares.wait(group)
+        # No refill yet: on two cores a fork now would slow the load this
+        # worker is for. The caller calls replenish() when done.
+        return worker
 
     def replenish(self) -> None:
         """Forks spares in the background until WORKERS_WARM are ready again."""
@@ -239,12 +223,7 @@ class WorkerPool:
         return self.beats.last_beat(worker.beat_slot) if worker.beat_slot is not None else 0.0
 
     def spares(self) -> list[Worker]:
-        return [w for w in self._spares if w.alive]
-
-    @property
-    def settled(self) -> bool:
-        """True when the spares are all there and nothing is being started."""
-        return self._starting == 0 and len(self.spares()) >= self.settings.workers_warm
+        return self._spares.alive()
 
     # -- spawning ---------------------------------------------------------------
 
@@ -260,18 +239,33 @@ class WorkerPool:
             self._refill_task = self._background(self._refill(), "refill")
 
     async def _refill(self) -> None:
-        """Forks workers until the spares (plus anyone waiting for one) are covered."""
+        """Forks workers until every fork server's spares (plus anyone waiting for one) are covered."""
         while not self._closing:
-            wanted = self.settings.workers_warm + len(self._spare_waiters)
-            if len(self._spares) + self._starting >= wanted or self._at_cap():
+            group = self._spares.group_short(self._starting)
+            if group is None:
+                return
+            if self._at_cap():
+                self._make_room_for(group)
                 return
             try:
-                await self._spawn_one()
+                await self._spawn_one(group)
             except Exception:
                 log.exception("could not start a worker; retrying in %.0f s", SPAWN_RETRY_SECONDS)
                 await asyncio.sleep(SPAWN_RETRY_SECONDS)
 
-    async def _spawn_one(self) -> None:
+    def _spares_elsewhere(self, group: str) -> bool:
+        """Spares of other fork servers, idle or starting: at the cap, room for one of `group`."""
+        starting = any(count for other, count in self._starting.items() if other != group)
+        return starting or self._spares.of_another(group) is not None
+
+    def _make_room_for(self, group: str) -> None:
+        """At the cap, with a caller waiting for a spare of `group`: ends an idle one of another
+        fork server. Its reap refills again, and that forks the spare for `group`."""
+        other = self._spares.of_another(group) if self._spares.waiting(group) else None
+        if other is not None:
+            self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
+
+    async def _spawn_one(self, group: str) -> None:
         identity = f"w{next(self._ids)}".encode()
         slot = self.beats.allocate()
         config = {
@@ -292,15 +286,15 @@ class WorkerPool:
         process = self._context.Process(
             target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"
         )
-        worker = Worker(identity, process)
+        worker = Worker(identity, process, group)
         worker.beat_slot = slot
-        self._starting += 1
+        self._starting[group] += 1
         # Registered before it starts: its hello may arrive before we resume.
         self._workers[identity] = worker
         try:
             loop = asyncio.get_running_loop()
             try:
-                worker.pid = await loop.run_in_executor(self._spawner, self._start_process, process)
+                worker.pid = await loop.run_in_executor(self._spawner, self._start_process, group, process)
             except BaseException:
                 self._workers.pop(identity, None)
                 self.beats.free(slot)  # its process did not start
@@ -312,31 +306,15 @@ class WorkerPool:
             if not worker.ready.done() and worker.alive:
                 self.kill(worker, KillCause.NO_HELLO, f"it did not say hello within {SPAWN_TIMEOUT:.0f} s")
             if worker.ready.done() and worker.state is WorkerState.STARTING:
-                self._add_spare(worker)
+                self._spares.add(worker)
         finally:
-            self._starting -= 1
+            self._starting[group] -= 1
 
-    def _start_process(self, process: multiprocessing.process.BaseProcess) -> int:
-        """Spawner thread: ask the fork server for a child and record it."""
-        process.start()
-        forkserver.forget(process)
-        pid = process.pid
-        assert pid is not None  # start() returned: the fork server forked the child and sent its pid
+    def _start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
+        """Spawner thread: ask the group's fork server for a child and record it."""
+        pid = self._forkservers.start_process(group, process)
         self.registry.add(pid)
         return pid
-
-    def _add_spare(self, worker: Worker) -> None:
-        worker.change_state(WorkerState.SPARE)
-        self._spares.append(worker)
-        self._wake_a_waiter()
-
-    def _wake_a_waiter(self) -> None:
-        if not self._spares:
-            return
-        for waiter in self._spare_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-                return
 
     # -- events from workers and the OS ---------------------------------------
 
@@ -359,8 +337,7 @@ class WorkerPool:
         self._workers.pop(worker.identity, None)
         if worker.beat_slot is not None:
             self.beats.free(worker.beat_slot)  # reaped: nothing stamps it any more
-        if worker in self._spares:
-            self._spares.remove(worker)
+        self._spares.discard(worker)
         # Exited first: failing its requests frees their replica slots at once,
         # and a dead worker must not look like the least busy one to a caller in line.
         worker.change_state(WorkerState.EXITED)

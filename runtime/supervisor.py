@@ -191,7 +191,7 @@ class Supervisor:
 
     async def _take_worker(self, model: Model) -> Worker:
         """A spare for the model, recorded as the model's the moment it is ours."""
-        worker = await self.pool.take()
+        worker = await self.pool.take(model.spec.format.name)
         worker.model_id = model.model_id
         model.workers.append(worker)
         return worker

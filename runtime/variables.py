@@ -141,7 +141,8 @@ VARIABLES: tuple[Variable, ...] = (
         "WORKERS_WARM",
         parse.whole_number,
         2,
-        "idle pre-forked workers kept ready for the next load",
+        "idle pre-forked workers kept ready for the next load, per fork server (one per framework "
+        "in WORKER_PRELOAD, and a base one)",
         parse.at_least(0),
     ),
     Variable(
@@ -273,8 +274,9 @@ VARIABLES: tuple[Variable, ...] = (
         "WORKER_PRELOAD",
         parse.module_names,
         lambda s: default_preload(),
-        "modules the fork server imports once, before forking workers; keep the frameworks you "
-        "serve in it (a worker importing one itself pays 25-140 MiB and 1-2 s per load)",
+        "modules the fork servers import once, before forking workers: each framework in it gets a "
+        "fork server of its own, the rest go to all; keep the frameworks you serve in it (a worker "
+        "importing one itself pays 25-140 MiB and 1-2 s per load)",
         default_text="numpy and the installed frameworks",
     ),
     Variable(

@@ -21,6 +21,8 @@ import multiprocessing
 import os
 import time
 
+from runtime.forkserver import BASE_GROUP
+
 
 class WorkerState(enum.Enum):
     STARTING = "starting"  # forked, has not said hello
@@ -52,11 +54,12 @@ class KillCause(enum.Enum):
     NO_HELLO = "no_hello"  # never connected after it was forked
     UNLOAD = "unload"  # its model is unloaded, or its load failed
     SHUTDOWN = "shutdown"  # the front is stopping
+    SURPLUS = "surplus"  # an idle spare ended at WORKERS_MAX to make room for one of another fork server
 
     @property
     def expected(self) -> bool:
         """Part of normal operation, not a fault: logged quietly."""
-        return self in (KillCause.UNLOAD, KillCause.SHUTDOWN)
+        return self in (KillCause.UNLOAD, KillCause.SHUTDOWN, KillCause.SURPLUS)
 
 
 # The label of a worker that died without the front killing it.
@@ -68,10 +71,13 @@ class IllegalTransition(RuntimeError):
 
 
 class Worker:
-    def __init__(self, identity: bytes, process: multiprocessing.process.BaseProcess):
+    def __init__(
+        self, identity: bytes, process: multiprocessing.process.BaseProcess, group: str = BASE_GROUP
+    ):
         loop = asyncio.get_running_loop()
         self.identity = identity
         self.process = process
+        self.group = group  # the fork server it was forked from (runtime/forkserver.py)
         self.pid: int | None = None
         self.state = WorkerState.STARTING
         self.model_id: str | None = None

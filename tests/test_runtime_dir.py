@@ -386,7 +386,7 @@ def test_titles_name_the_runtime_dir():
         suffix = f" dir={rt.env['RUNTIME_DIR']}"
         titles = {" ".join(part for part in p.cmdline() if part) for p in tree(rt.pid)}
         assert f"mesh-runtime front port={rt.port}{suffix}" in titles
-        assert f"mesh-runtime forkserver{suffix}" in titles
+        assert f"mesh-runtime forkserver base{suffix}" in titles
         assert f"mesh-runtime worker spare{suffix}" in titles
         assert f"mesh-runtime worker model=named{suffix}" in titles
 

@@ -31,7 +31,7 @@ class FakePool:
         self.answer_load = lambda worker: {"ok": True}
         self.ready = True
 
-    async def take(self) -> Worker:
+    async def take(self, format_name: str) -> Worker:
         worker = Worker(f"w{len(self.taken) + 1}".encode(), process=None)
         worker.pid = os.getpid()  # measured as this process: some memory, never zero
         worker.change_state(WorkerState.SPARE)

@@ -22,16 +22,18 @@ from test_formats import (
     outputs_of,
 )
 
+from workers import formats
 from workers.formats import warming
 
 # The shared runtime preloads, and so warms, every installed framework.
 PRELOAD_FRAMEWORKS = True
 pytestmark = pytest.mark.slow
 
-# The fork server's sequence in a fresh interpreter: the thread pools sized, the
-# installed frameworks and the format modules imported, then the warm-ups.
+# A fork server's sequence in a fresh interpreter: the thread pools sized, the
+# frameworks named in argv[1] ("all": every installed one) and the format
+# modules imported, then the warm-ups.
 FORKSERVER_SEQUENCE = """
-    import importlib, importlib.util, json, os
+    import importlib, importlib.util, json, os, sys
     from workers import formats
     from workers.formats import warming
 
@@ -41,7 +43,8 @@ FORKSERVER_SEQUENCE = """
     warming.limit_thread_pools()
     import numpy
     for fmt in formats.FORMATS:
-        if fmt.framework and importlib.util.find_spec(fmt.framework):
+        wanted = sys.argv[1] == "all" or fmt.framework in sys.argv[1].split(",")
+        if fmt.framework and wanted and importlib.util.find_spec(fmt.framework):
             importlib.import_module(fmt.framework)
         importlib.import_module(fmt.module)
     before = threads()
@@ -50,8 +53,14 @@ FORKSERVER_SEQUENCE = """
 """
 
 
-def forkserver_pid(runtime: Runtime) -> int:
-    return next(p.pid for p in tree(runtime.pid) if "forkserver" in " ".join(p.cmdline()))
+def forkserver_pids(runtime: Runtime) -> dict[str, int]:
+    """The pid of each fork server running, by the group its title names ("base" or a framework)."""
+    pids = {}
+    for process in tree(runtime.pid):
+        words = " ".join(process.cmdline()).split()
+        if "forkserver" in words:
+            pids[words[words.index("forkserver") + 1]] = process.pid
+    return pids
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +70,11 @@ def examples(runtime):
     return {example.format: os.path.join(runtime.models, example.name) for example in written}
 
 
-def thread_counts(worker_threads: str) -> dict:
+def thread_counts(worker_threads: str, frameworks: str = "all") -> dict:
     """Threads of a fresh interpreter after the fork server's imports ("before") and after its warm-ups."""
     env = {name: value for name, value in os.environ.items() if name not in warming.THREAD_POOL_VARIABLES}
     sequence = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(FORKSERVER_SEQUENCE)],
+        [sys.executable, "-c", textwrap.dedent(FORKSERVER_SEQUENCE), frameworks],
         cwd=REPO,
         env={**env, "WORKER_THREADS": worker_threads},
         capture_output=True,
@@ -84,12 +93,20 @@ def test_warming_starts_no_thread(worker_threads):
     assert counts["after"] == counts["before"], counts
 
 
-def test_the_forkserver_runs_only_the_threads_its_imports_started(runtime):
-    """onnxruntime's import starts one; the runtime's fork server, which warmed without a complaint,
-    has no other."""
+def test_each_fork_server_imports_one_framework_and_runs_only_the_threads_its_imports_started(
+    runtime, examples
+):
+    """onnxruntime's import starts one; each fork server, which warmed without a complaint, has no other."""
+    for fmt in FORMAT_NAMES:  # each format's first load starts its framework's fork server
+        runtime.load(f"threads-{fmt}", example_path(examples, fmt), fmt=fmt)
+        runtime.unload(f"threads-{fmt}")
     assert "mesh-runtime forkserver" not in runtime.log()
-    fork_server_threads = len(os.listdir(f"/proc/{forkserver_pid(runtime)}/task"))
-    assert fork_server_threads == thread_counts("1")["before"]
+    pids = forkserver_pids(runtime)
+    frameworks = {formats.by_name(fmt).framework or "base" for fmt in FORMAT_NAMES}
+    assert set(pids) == frameworks
+    for group, pid in pids.items():
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        assert threads == thread_counts("1", "" if group == "base" else group)["before"], group
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
@@ -117,11 +134,11 @@ def test_a_failing_warm_up_is_reported_and_the_forkserver_serves_on(tmp_path):
     pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(BREAKING_SITECUSTOMIZE))
     with Runtime(PYTHONPATH=str(tmp_path), WORKER_PRELOAD="numpy,sklearn") as runtime:
-        assert "cannot warm sklearn: ModuleNotFoundError" in runtime.log()
-        assert psutil.Process(forkserver_pid(runtime)).is_running()
         folder = os.path.join(runtime.models, "iris-sklearn")
         os.makedirs(folder)
         make_examples.write_sklearn(folder, make_examples.iris())  # needs no sklearn.tree to load
-        runtime.load("iris", folder, fmt="sklearn")
+        runtime.load("iris", folder, fmt="sklearn")  # starts the sklearn fork server
+        assert "cannot warm sklearn: ModuleNotFoundError" in runtime.log()
+        assert psutil.Process(forkserver_pids(runtime)["sklearn"]).is_running()
         labels = outputs_of(infer(runtime, "iris", make_examples.SAMPLE))["predict"]
         assert list(labels) == [0, 2]

@@ -2,8 +2,9 @@
 
 multiprocessing's fork server imports its preload list at start; this module
 is that list's only entry. It ties the fork server's life to the front's
-(parent-death signal), sizes the frameworks' thread pools, imports
-WORKER_PRELOAD modules plus the worker's own code so that a new worker starts
+(parent-death signal), sizes the frameworks' thread pools, imports its share
+of WORKER_PRELOAD (the modules that are not frameworks, plus its own
+framework: runtime/forkserver.py) and the worker's own code so that a new worker starts
 in milliseconds, warms each imported format (workers/formats/warming.py) so
 that a worker's first load and call find it done, fills the holes in its
 malloc heap, then freezes the garbage collector's view of those objects so
@@ -23,7 +24,8 @@ from workers.formats import warming
 
 def _preload() -> None:
     lifeline.die_with_parent(expected_parent=None)
-    titles.set_title("forkserver", os.environ.get(titles.RUNTIME_DIR_ENV, ""))
+    group = os.environ.get(protocol.FORKSERVER_GROUP_ENV, "base")
+    titles.set_title(f"forkserver {group}", os.environ.get(titles.RUNTIME_DIR_ENV, ""))
     # Workers compare their parent with this pid to close the race between
     # fork and their own parent-death signal.
     os.environ[lifeline.FORKSERVER_PID_ENV] = str(os.getpid())

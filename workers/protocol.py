@@ -52,6 +52,7 @@ PROTOCOL_VERSION = 2
 # environment variable: multiprocessing starts the fork server, which offers
 # no other way in.
 PRELOAD_ENV = "MESH_WORKER_PRELOAD"
+FORKSERVER_GROUP_ENV = "MESH_FORKSERVER_GROUP"  # which fork server this is: "base" or its framework
 
 OP_HELLO = "hello"
 OP_LOAD = "load"

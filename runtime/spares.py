@@ -1,0 +1,91 @@
+"""The pool's idle workers, by fork server, and the callers waiting for one.
+
+Each fork server (runtime/forkserver.py) keeps `warm` spares. A caller that
+finds none of its fork server waits in line; a new spare goes to the first
+caller in line for its fork server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from runtime.worker import Worker, WorkerState
+
+
+class Spares:
+    def __init__(self, warm: int, groups: tuple[str, ...]):
+        self.warm = warm
+        self._idle: dict[str, collections.deque[Worker]] = {group: collections.deque() for group in groups}
+        self._waiters: collections.deque[tuple[str, asyncio.Future]] = collections.deque()
+
+    def pop(self, group: str) -> Worker | None:
+        """An idle spare of the fork server `group`, now the caller's."""
+        idle = self._idle[group]
+        while idle:
+            worker = idle.popleft()
+            if worker.state is WorkerState.SPARE:  # not killed since it was added
+                return worker
+        return None
+
+    def add(self, worker: Worker) -> None:
+        """A worker that said hello: idle, and handed to the first caller in line for its fork server."""
+        worker.change_state(WorkerState.SPARE)
+        self._idle[worker.group].append(worker)
+        self._wake_a_waiter(worker.group)
+
+    def discard(self, worker: Worker) -> None:
+        idle = self._idle.get(worker.group)
+        if idle is not None and worker in idle:
+            idle.remove(worker)
+
+    async def wait(self, group: str) -> None:
+        """Until a spare of `group` may be there (pop() again: another caller may have been faster)."""
+        entry = (group, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except BaseException:
+            # We gave up: a spare meant for us goes to the next in line.
+            self._waiters.remove(entry)
+            self._wake_a_waiter(group)
+            raise
+        self._waiters.remove(entry)
+
+    def alive(self) -> list[Worker]:
+        return [worker for idle in self._idle.values() for worker in idle if worker.alive]
+
+    def of_another(self, group: str) -> Worker | None:
+        """An idle spare of any fork server but `group`."""
+        for other, idle in self._idle.items():
+            for worker in idle:
+                if other != group and worker.state is WorkerState.SPARE:
+                    return worker
+        return None
+
+    def group_short(self, starting: collections.Counter[str]) -> str | None:
+        """A fork server to fork a spare from next: first those callers wait for, in their order,
+        then any in use with fewer than `warm` ready or `starting`; None when all are covered."""
+
+        def short(group: str, wanted: int) -> bool:
+            return len(self._idle.get(group, ())) + starting[group] < wanted
+
+        for group, _ in self._waiters:
+            if short(group, self.waiting(group)):
+                return group
+        for group in self._idle:
+            if short(group, self.warm + self.waiting(group)):
+                return group
+        return None
+
+    def waiting(self, group: str) -> int:
+        """Callers in line for a spare of `group`."""
+        return sum(1 for wanted, _ in self._waiters if wanted == group)
+
+    def _wake_a_waiter(self, group: str) -> None:
+        if not self._idle.get(group):
+            return
+        for wanted, waiter in self._waiters:
+            if wanted == group and not waiter.done():
+                waiter.set_result(None)
+                return

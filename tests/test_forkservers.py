@@ -1,0 +1,77 @@
+"""runtime/forkserver.py: one fork server per framework, each started by its format's first load,
+each with WORKERS_WARM spares of its own, and room made at WORKERS_MAX."""
+
+import os
+
+import psutil
+import pytest
+from harness import Runtime, alive, wait_until
+from test_formats import make_examples
+
+from runtime import forkserver
+
+PRELOAD = ("numpy", "sklearn")
+
+
+def test_a_format_is_forked_by_its_frameworks_server_when_that_is_preloaded_else_by_the_base_one():
+    assert forkserver.group_for("python", PRELOAD) == forkserver.BASE_GROUP
+    assert forkserver.group_for("sklearn", PRELOAD) == "sklearn"
+    assert forkserver.group_for("xgboost", PRELOAD) == forkserver.BASE_GROUP  # xgboost not preloaded
+    assert forkserver.group_for("no-such-format", PRELOAD) == forkserver.BASE_GROUP
+
+
+def test_the_base_fork_server_imports_no_framework_and_each_other_one_framework():
+    servers = forkserver.ForkServers(
+        ("numpy", "sklearn", "torch", "mymodule"), "/run/x", ("info", "text"), print
+    )
+    assert servers.preload_of(forkserver.BASE_GROUP) == ("numpy", "mymodule")
+    assert servers.preload_of("sklearn") == ("numpy", "mymodule", "sklearn")
+
+
+def sklearn_model(rt: Runtime) -> str:
+    folder = os.path.join(rt.models, "iris-sklearn")
+    os.makedirs(folder, exist_ok=True)
+    make_examples.write_sklearn(folder, make_examples.iris())
+    return folder
+
+
+def forkserver_of(rt: Runtime, model_id: str) -> str:
+    worker = rt.worker_for(model_id)
+    assert worker is not None, f"no worker serves {model_id}"
+    return " ".join(psutil.Process(worker.ppid()).cmdline())
+
+
+@pytest.mark.slow  # starts a second fork server, which imports scikit-learn
+def test_each_preloaded_framework_has_a_fork_server_from_the_start_with_spares_of_its_own():
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    with Runtime(WORKER_PRELOAD=",".join(PRELOAD), WORKERS_WARM="1") as rt:
+        assert sorted(" ".join(p.cmdline()).split()[2] for p in rt.forkservers()) == ["base", "sklearn"]
+        assert sorted(spare_parents(rt)) == ["base", "sklearn"]  # ready before the runtime said so
+        rt.load("echo", rt.model_dir("echo"))
+        rt.load("iris", sklearn_model(rt), fmt="sklearn")
+        assert "mesh-runtime forkserver base " in forkserver_of(rt, "echo")
+        assert "mesh-runtime forkserver sklearn " in forkserver_of(rt, "iris")
+        wait_until(lambda: sorted(spare_parents(rt)) == ["base", "sklearn"], timeout=30, what="both refilled")
+
+
+def title(pid: int) -> str:
+    return " ".join(psutil.Process(pid).cmdline())
+
+
+def spare_parents(rt: Runtime) -> list[str]:
+    """The group of the fork server each idle spare was forked from."""
+    return [title(spare.ppid()).split()[2] for spare in alive(rt.spares())]
+
+
+@pytest.mark.slow  # starts a second fork server, which imports scikit-learn
+def test_at_workers_max_a_spare_of_another_fork_server_makes_room():
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    with Runtime(WORKER_PRELOAD=",".join(PRELOAD), WORKERS_WARM="1", WORKERS_MAX="2") as rt:
+        (sklearn_spare,) = [
+            s for s in alive(rt.spares()) if "sklearn" in " ".join(psutil.Process(s.ppid()).cmdline())
+        ]
+        rt.load("echo", rt.model_dir("echo"))  # the base spare: the cap is reached
+        rt.load("echo2", rt.model_dir("echo2"))  # no base spare, and no room for one: the other goes
+        assert not alive([sklearn_spare])
+        assert "mesh-runtime forkserver base " in forkserver_of(rt, "echo2")
+        assert rt.model_workers() == 2
