@@ -54,7 +54,7 @@ BEAT_MS = 5000
 # Idle workers beat in groups of BEAT_GROUP slots, each group at the same
 # instants: waking many processes at once costs each a fraction of waking it
 # alone, and groups BEAT_GROUP_GAP_MS apart keep every burst short.
-BEAT_GROUP = 100
+BEAT_GROUP = 250
 BEAT_GROUP_GAP_MS = 100
 
 
