@@ -37,13 +37,24 @@ log = logging.getLogger("mesh.forkserver")
 
 BASE_GROUP = "base"
 FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework)
+# Frameworks that share one fork server: xgboost and lightgbm import scipy and
+# scikit-learn themselves, so fork servers of their own would each hold
+# another copy of that stack (docs/density.md).
+FAMILIES = (("sklearn", "xgboost", "lightgbm"),)
 
 
 def group_for(format_name: str, preload: tuple[str, ...]) -> str:
-    """The fork server for workers of `format_name`: its framework's if preloaded, else the base one."""
+    """The fork server for workers of `format_name`: its framework's if preloaded, else the base one.
+
+    A framework's fork server is named by the frameworks it imports, joined
+    by "+" (e.g. "sklearn+xgboost+lightgbm", "torch").
+    """
     fmt = formats.by_name(format_name)
     framework = fmt.framework if fmt is not None else None
-    return framework if framework in preload else BASE_GROUP
+    if framework is None or framework not in preload:
+        return BASE_GROUP
+    family = next((family for family in FAMILIES if framework in family), (framework,))
+    return "+".join(member for member in family if member in preload)
 
 
 class ForkServers:
@@ -63,11 +74,16 @@ class ForkServers:
         self._pids: dict[str, int] = {}
 
     def groups(self) -> tuple[str, ...]:
-        """The base fork server, then one per framework in WORKER_PRELOAD."""
-        return (BASE_GROUP, *(module for module in self._preload if module in FRAMEWORKS))
+        """The base fork server, then one per framework (or family of them) in WORKER_PRELOAD."""
+        groups = [BASE_GROUP]
+        for fmt in formats.FORMATS:
+            group = group_for(fmt.name, self._preload)
+            if group not in groups:
+                groups.append(group)
+        return tuple(groups)
 
     def preload_of(self, group: str) -> tuple[str, ...]:
-        return self._common if group == BASE_GROUP else (*self._common, group)
+        return self._common if group == BASE_GROUP else (*self._common, *group.split("+"))
 
     def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
         """Forks `process` from the group's fork server, starting that first if need be; its pid."""

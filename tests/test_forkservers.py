@@ -20,12 +20,20 @@ def test_a_format_is_forked_by_its_frameworks_server_when_that_is_preloaded_else
     assert forkserver.group_for("no-such-format", PRELOAD) == forkserver.BASE_GROUP
 
 
-def test_the_base_fork_server_imports_no_framework_and_each_other_one_framework():
-    servers = forkserver.ForkServers(
-        ("numpy", "sklearn", "torch", "mymodule"), "/run/x", ("info", "text"), print
-    )
+def test_frameworks_that_import_scikit_learn_share_its_fork_server():
+    preload = ("numpy", "sklearn", "xgboost", "lightgbm", "torch")
+    groups = {forkserver.group_for(fmt, preload) for fmt in ("sklearn", "xgboost", "lightgbm")}
+    assert groups == {"sklearn+xgboost+lightgbm"}
+    assert forkserver.group_for("xgboost", ("numpy", "xgboost")) == "xgboost"
+    assert forkserver.group_for("pytorch", preload) == "torch"
+
+
+def test_the_base_fork_server_imports_no_framework_and_each_other_its_frameworks():
+    preload = ("numpy", "sklearn", "xgboost", "torch", "mymodule")
+    servers = forkserver.ForkServers(preload, "/run/x", ("info", "text"), print)
+    assert servers.groups() == (forkserver.BASE_GROUP, "sklearn+xgboost", "torch")
     assert servers.preload_of(forkserver.BASE_GROUP) == ("numpy", "mymodule")
-    assert servers.preload_of("sklearn") == ("numpy", "mymodule", "sklearn")
+    assert servers.preload_of("sklearn+xgboost") == ("numpy", "mymodule", "sklearn", "xgboost")
 
 
 def sklearn_model(rt: Runtime) -> str:

@@ -22,7 +22,8 @@ from test_formats import (
     outputs_of,
 )
 
-from workers import formats
+from runtime import forkserver
+from runtime.variables import default_preload
 from workers.formats import warming
 
 # The shared runtime preloads, and so warms, every installed framework.
@@ -102,11 +103,12 @@ def test_each_fork_server_imports_one_framework_and_runs_only_the_threads_its_im
         runtime.unload(f"threads-{fmt}")
     assert "mesh-runtime forkserver" not in runtime.log()
     pids = forkserver_pids(runtime)
-    frameworks = {formats.by_name(fmt).framework or "base" for fmt in FORMAT_NAMES}
-    assert set(pids) == frameworks
+    preload = default_preload()
+    assert set(pids) == {forkserver.group_for(fmt, preload) for fmt in FORMAT_NAMES}
     for group, pid in pids.items():
         threads = len(os.listdir(f"/proc/{pid}/task"))
-        assert threads == thread_counts("1", "" if group == "base" else group)["before"], group
+        imported = "" if group == forkserver.BASE_GROUP else group.replace("+", ",")
+        assert threads == thread_counts("1", imported)["before"], group
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
