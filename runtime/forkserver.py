@@ -1,13 +1,13 @@
-"""multiprocessing's fork servers, as the front uses them: one per framework, and a base one.
+"""multiprocessing's fork servers, as the front uses them: one per framework family, and a base one.
 
-A fork server imports numpy, the worker code and one framework once
-(workers/preload.py), then forks the workers of that framework's formats, so
-a new worker starts in milliseconds with a few MiB of its own memory. All are
-started with the pool, before the runtime says it is ready: the capacity it
-reports then already holds them. One
-fork server per framework, not one for all: every fork copies the page-table
-entries of the fork server's private memory, and the front's measurement of
-each worker walks them again: a python model's worker forked from a fork
+A fork server imports numpy, the worker code and one framework (or family of
+frameworks) once (workers/preload.py), then forks the workers of their
+formats, so a new worker starts in milliseconds with a few MiB of its own
+memory. All are started with the pool, before the runtime says it is ready:
+the capacity it reports then already holds them. Not one fork server for
+all frameworks: every fork copies the page-table entries of the fork
+server's private memory, and the front's measurement of each worker walks
+them again: a python model's worker forked from a fork
 server that had also imported torch, onnxruntime and scikit-learn took
 longer to fork and to measure, and mapped many more regions (docs/density.md).
 The "base" fork server, started with the pool, imports no framework: it
@@ -110,14 +110,13 @@ class ForkServers:
         assert process.pid is not None  # start() returned: the fork server sent the child's pid
         return process.pid
 
-    def pids(self) -> dict[str, int]:
-        """The pid of each fork server started, by group."""
-        return dict(self._pids)
-
     def stop(self) -> None:
         """Stops and reaps every fork server and the resource tracker.
 
-        All would also exit on their own once this process is gone.
+        All would also exit on their own once this process is gone. The
+        resource tracker is never recorded for a later front's purge: it cannot
+        carry our title, so a purge could not tell it from a stranger's process,
+        and it exits by itself once its pipe's last end closes.
         """
         tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
         helpers = [*self._servers.values(), tracker]

@@ -7,11 +7,12 @@ needs from workers it asks here: `take()` a spare, `send_load()`,
 `submit_call()`, `kill()`.
 
 Every worker is forked by one of multiprocessing's fork servers, one per
-framework (runtime/forkserver.py), which imported numpy, that framework and
-the worker code once (workers/preload.py), so a new worker starts in
-milliseconds with a few MiB of its own memory. For each fork server in use
-the pool keeps WORKERS_WARM idle spares connected; `take()` hands out one of
-the model's fork server and a background refill forks the next.
+framework family and a base one (runtime/forkserver.py), which imported numpy,
+those frameworks and the worker code once (workers/preload.py), so a new
+worker starts in milliseconds with a few MiB of its own memory. For each fork
+server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py);
+`take()` hands out one of the model's fork server and a background refill
+forks the next.
 
 The pool also owns the beat file (runtime/beats.py): each worker gets a
 slot in it at spawn and gives it back when reaped; the heartbeat
