@@ -125,6 +125,12 @@ def main() -> int:
         help="scale: models loaded in all after each step (default %(default)s)",
     )
     parser.add_argument(
+        "--models-per-worker",
+        type=int,
+        default=1,
+        help="scale: run mesh-runtime with MODELS_PER_WORKER set to this (packs; default 1)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -214,7 +220,7 @@ def run_scale(args, info: dict) -> int:
     except ValueError:
         print(f"--steps: {args.steps!r} is not a list of numbers", file=sys.stderr)
         return 2
-    figures = {"scale": scale.run(args.format, steps, args.peer)}
+    figures = {"scale": scale.run(args.format, steps, args.peer, args.models_per_worker)}
     scale.print_report(figures["scale"])
     write_json(args, info, figures)
     return 1 if any("error" in v for v in figures["scale"].values() if isinstance(v, dict)) else 0

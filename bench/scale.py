@@ -194,7 +194,7 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
 
 def wants_faults(server: ScaleServer, figures: dict, loaded: int, steps: tuple[int, ...]) -> bool:
     """The faults phase runs once, on mesh-runtime, at FAULTS_AT models or at the last step below it."""
-    if not isinstance(server, MeshRuntime) or "faults" in figures:
+    if not isinstance(server, MeshRuntime) or server.packed or "faults" in figures:
         return False
     return loaded >= scale_faults.FAULTS_AT or loaded == max(steps)
 
@@ -210,9 +210,14 @@ def print_step(name: str, s: dict) -> None:
     )
 
 
-def run(fmt: str = "python", steps: tuple[int, ...] = STEPS, peer: str | None = None) -> dict:
-    """The whole scale benchmark: mesh-runtime with `fmt` models, then the peer with sklearn ones."""
-    figures: dict = {"format": fmt, "steps_wanted": list(steps)}
+def run(
+    fmt: str = "python", steps: tuple[int, ...] = STEPS, peer: str | None = None, models_per_worker: int = 1
+) -> dict:
+    """The whole scale benchmark: mesh-runtime with `fmt` models, then the peer with sklearn ones.
+
+    models_per_worker > 1 runs mesh-runtime with packs (MODELS_PER_WORKER); the faults phase,
+    which kills the workers of chosen models, is left out then."""
+    figures: dict = {"format": fmt, "steps_wanted": list(steps), "models_per_worker": models_per_worker}
     folder = tempfile.mkdtemp(prefix="mr-scale-")
     try:
         systems = [("mesh-runtime", fmt, MeshRuntime)]
@@ -223,7 +228,8 @@ def run(fmt: str = "python", steps: tuple[int, ...] = STEPS, peer: str | None = 
             meter = cgroup.Meter(name.split()[0].lower())
             progress(f"{name}: {len(models)} {model_format} models; memory by {meter.method}")
             try:
-                with server_class(models, model_format, meter) as server:
+                packing = {"models_per_worker": models_per_worker} if server_class is MeshRuntime else {}
+                with server_class(models, model_format, meter, **packing) as server:
                     figures[name] = {"format": model_format, **run_server(server, meter, steps)}
             finally:
                 meter.remove()

@@ -58,14 +58,16 @@ class MeshRuntime:
 
     name = "mesh-runtime"
 
-    def __init__(self, models: list[str], fmt: str, meter: cgroup.Meter):
+    def __init__(self, models: list[str], fmt: str, meter: cgroup.Meter, models_per_worker: int = 1):
         self.models, self.fmt, self.meter = models, fmt, meter
+        self.packed = models_per_worker > 1  # small models share packs: no worker of their own
         self.loaded = 0
         self.rt = harness.Runtime(
             command_prefix=meter.command_prefix(),
             preload_frameworks=True,
             ROOT_MODEL_DIR=os.path.dirname(models[0]),
             WORKERS_WARM=str(WARM),
+            MODELS_PER_WORKER=str(models_per_worker),
             LOG_LEVEL="warning",  # a log file's pages would be charged to the cgroup too
         )
 
@@ -125,9 +127,11 @@ class MeshRuntime:
     def _workers_are(self, models: int) -> bool:
         """`models` model workers plus the spares of every fork server in use, and no other worker."""
         spares = self.rt.spares_wanted(WARM)
+        own = 0 if self.packed else models  # packs are titled apart (harness.Runtime.packs)
         return (
             len(harness.alive(self.rt.spares())) == spares
-            and len(harness.alive(self.rt.workers())) == models + spares
+            and len(harness.alive(self.rt.workers())) == own + spares
+            and (models > 0 or not harness.alive(self.rt.packs()))
         )
 
     def wait_settled(self) -> None:

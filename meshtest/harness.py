@@ -272,6 +272,10 @@ class Runtime:
                 return process
         return None
 
+    def packs(self) -> list[psutil.Process]:
+        """Workers that hold several models (MODELS_PER_WORKER > 1), titled `pack models=N`."""
+        return [p for p in tree(self.pid) if "mesh-runtime pack" in " ".join(_cmdline(p))]
+
     def spares(self) -> list[psutil.Process]:
         return [p for p in self.workers() if "worker spare" in " ".join(_cmdline(p))]
 

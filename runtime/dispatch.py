@@ -84,19 +84,20 @@ class Dispatcher:
         limit_ms = self.request_limit_ms
         return self.pool.submit_call(
             worker,
+            model.model_id,
             method,
             request,
             deadline,
             on_end=lambda: model.replicas.release(worker),
             overdue_after=limit_ms / 1000 if limit_ms else None,
-            on_overdue=lambda: self._overdue(worker),
+            on_overdue=lambda: self._overdue(model.model_id, worker),
         )
 
-    def _overdue(self, worker: Worker) -> status.RpcError:
+    def _overdue(self, model_id: str, worker: Worker) -> status.RpcError:
         """WORKER_REQUEST_TIMEOUT_MS passed, whether or not the caller still waits: end the worker."""
         limit_ms = self.request_limit_ms
         self.pool.kill(worker, KillCause.REQUEST_TIMEOUT, f"{REQUEST_TIMEOUT_REASON} ({limit_ms} ms)")
-        return status.request_too_long(worker.model_id or "", limit_ms)
+        return status.request_too_long(model_id, limit_ms)
 
     def _response(self, model_id: str, frames: list, append_field: int | None) -> bytes:
         response = spliced(frames, append_field)

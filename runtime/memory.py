@@ -192,6 +192,14 @@ def overhead(model_pids: set[int]) -> int:
     return total
 
 
+def unclaimed(packs: list[tuple[int | None, int]]) -> int:
+    """What packs cost beyond what their models are charged: their base and later growth.
+
+    `packs`: (pid, bytes its models are charged) of each (runtime/packs.py). Blocking.
+    """
+    return sum(max(0, serving_cost(pid, 0) - charged) for pid, charged in packs)
+
+
 def resident(pid: int) -> int:
     """All the pages process `pid` has in memory, shared or not; raises psutil.Error if it is gone."""
     if _HAS_ROLLUP:

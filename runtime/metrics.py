@@ -69,6 +69,15 @@ class Metrics:
             registry=self.registry,
         )
         self._restarted = collections.defaultdict(set)  # model -> causes, to remove when it goes
+        self.pack_recycle_seconds = Histogram(
+            "mesh_pack_recycle_seconds",
+            "Pack recycles (a fresh worker took over a pack's models) and how long each took",
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self.pack_models_moved = Counter(
+            "mesh_pack_models_moved", "Models moved to a fresh pack by a recycle", registry=self.registry
+        )
 
     def serve(self, port: int, supervisor) -> None:
         self.registry.register(_StateCollector(supervisor))
@@ -83,6 +92,10 @@ class Metrics:
     def observe_load(self, outcome: str, seconds: float) -> None:
         self.loads.labels(outcome).inc()
         self.load_seconds.labels(outcome).observe(seconds)
+
+    def observe_pack_recycle(self, seconds: float, models_moved: int) -> None:
+        self.pack_recycle_seconds.observe(seconds)
+        self.pack_models_moved.inc(models_moved)
 
     def observe_restart(self, model_id: str, cause: str) -> None:
         self.restarts.labels(model_id, cause).inc()

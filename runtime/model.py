@@ -42,6 +42,7 @@ class Model:
         slots = slots_per_worker(settings.worker_threads, settings.worker_batch_max, spec.format.batches_rows)
         self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
         self.size = 0
+        self.packed = False  # it lives in packs (runtime/packs.py), not in workers of its own
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task[int] | None = None  # resolves to the measured size
         self.heal_task: asyncio.Task | None = None

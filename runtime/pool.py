@@ -146,25 +146,44 @@ class WorkerPool:
 
     # -- what workers are asked to do -------------------------------------------
 
-    async def send_load(self, worker: Worker, model_id: str, format_name: str, path: str) -> dict:
-        """Has a taken spare load a model; the reply header. SERVING once it loaded.
-
-        Raises PeerGone if the worker dies first.
+    async def send_load(
+        self, worker: Worker, model_id: str, format_name: str, path: str, pack: bool = False
+    ) -> dict:
+        """Has a taken spare, or a serving pack, load a model; the reply header. SERVING once it
+        loaded. Raises PeerGone if the worker dies first.
         """
-        if worker.state is not WorkerState.SPARE:  # died or was killed since it was taken
+        packing = pack and worker.packed and worker.state is WorkerState.SERVING
+        if worker.state is not WorkerState.SPARE and not packing:  # died or was killed since taken
             raise PeerGone(worker.exited.result() if worker.exited.done() else None)
-        worker.model_id = model_id
-        worker.change_state(WorkerState.LOADING)
-        reply, _ = await self.channel.request(
-            worker.identity, protocol.OP_LOAD, model_id=model_id, format=format_name, path=path
+        worker.packed = pack
+        worker.models.add(model_id)
+        if not packing:
+            worker.change_state(WorkerState.LOADING)
+        reply = await self._pack_operation(
+            worker, protocol.OP_LOAD, model_id=model_id, format=format_name, path=path, pack=pack
         )
         if reply["ok"] and worker.state is WorkerState.LOADING:  # not killed meanwhile
             worker.change_state(WorkerState.SERVING)
         return reply
 
+    async def send_drop(self, worker: Worker, model_id: str) -> dict:
+        """Has a pack end one of its models; the reply header. Raises PeerGone if it dies first."""
+        assert worker.packed, worker  # a worker of its own is killed instead
+        worker.models.discard(model_id)
+        return await self._pack_operation(worker, protocol.OP_DROP, model_id=model_id)
+
+    async def _pack_operation(self, worker: Worker, op: str, **fields) -> dict:
+        worker.pack_operations += 1
+        try:
+            reply, _ = await self.channel.request(worker.identity, op, **fields)
+        finally:
+            worker.pack_operations -= 1
+        return reply
+
     def submit_call(
         self,
         worker: Worker,
+        model_id: str,
         method: str,
         request: bytes,
         deadline: float | None,
@@ -186,6 +205,7 @@ class WorkerPool:
             on_end=on_end,
             overdue_after=overdue_after,
             on_overdue=on_overdue,
+            model=model_id,
             method=method,
             deadline=deadline,
         )
@@ -343,6 +363,7 @@ class WorkerPool:
         # and a dead worker must not look like the least busy one to a caller in line.
         worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
+        worker.running = frozenset(model_id for model_id, calls in worker.calls.items() if calls > 0)
         self.channel.fail_peer(worker.identity, code)
         log.info(
             "%r exited (%s)",

@@ -11,6 +11,11 @@ the caller waits in line, and when MODEL_QUEUE_MAX callers already wait it
 is refused with RESOURCE_EXHAUSTED (model-mesh retries elsewhere). Whenever
 room appears (a call ends, a healed replica joins) the line is served in
 order. `fail_line()` ends every wait when the model goes away.
+
+Room is counted per model: a pack (runtime/packs.py) serves several models,
+and each may hold its slots in it, so one model's burst does not lock its
+neighbours out of the pack (their calls queue in the pack's socket instead).
+The worker's own `in_flight` counts every model's calls.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class ReplicaSet:
         self.slots = slots
         self.queue_max = queue_max
         self.workers: list[Worker] = []  # ready to serve
+        self._calls: collections.Counter[Worker] = collections.Counter()  # this model's, per worker
         self._line: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -58,16 +64,22 @@ class ReplicaSet:
         if worker in self.workers:
             self.workers.remove(worker)
 
+    def calls_on(self, worker: Worker) -> int:
+        """This model's calls that `worker` has not answered yet."""
+        return self._calls[worker]
+
     def _least_busy(self) -> Worker | None:
         best = None
         for worker in self.workers:
-            if (
-                worker.in_flight < self.slots
-                and worker.serving
-                and (best is None or worker.in_flight < best.in_flight)
-            ):
+            calls = self._calls[worker]
+            if calls < self.slots and worker.serving and (best is None or calls < self._calls[best]):
                 best = worker
         return best
+
+    def _count_in(self, worker: Worker) -> None:
+        worker.in_flight += 1
+        worker.calls[self.model_id] += 1
+        self._calls[worker] += 1
 
     def try_acquire(self) -> Worker | None:
         """A replica with room, counted in, when nobody waits in line; else None."""
@@ -75,7 +87,7 @@ class ReplicaSet:
             return None
         worker = self._least_busy()
         if worker is not None:
-            worker.in_flight += 1
+            self._count_in(worker)
         return worker
 
     async def acquire(self) -> Worker:
@@ -97,6 +109,10 @@ class ReplicaSet:
 
     def release(self, worker: Worker) -> None:
         worker.in_flight -= 1
+        worker.calls[self.model_id] -= 1
+        self._calls[worker] -= 1
+        if not self._calls[worker]:
+            del self._calls[worker]
         self._serve_line()
 
     def _serve_line(self) -> None:
@@ -106,7 +122,7 @@ class ReplicaSet:
                 return
             turn = self._line.popleft()
             if not turn.done():
-                worker.in_flight += 1
+                self._count_in(worker)
                 turn.set_result(worker)
 
     def fail_line(self, error: Exception) -> None:

@@ -58,6 +58,8 @@ class Settings:
     workers_warm: int
     workers_max: int
     model_replicas: int
+    models_per_worker: int
+    model_pack_max_bytes: int
     worker_threads: int
     worker_batch_max: int
     model_queue_max: int

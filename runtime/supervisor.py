@@ -2,7 +2,7 @@
 
 A model moves LOADING -> READY -> UNLOADING -> (gone), or LOADING -> UNLOADING
 when its load fails, times out or is cancelled. Leaving the table always goes
-through `_discard()`: it kills the model's workers and removes the model only
+through `discard()`: it kills the model's workers and removes the model only
 once they are reaped, and `Model.gone` resolves then. So an unloadModel that
 awaits `gone` returns with the memory back in the OS, and nothing that
 finishes later can bring the model back: the worker that would have done it
@@ -11,13 +11,10 @@ is dead and the table entry belongs to nobody.
 Inference calls are runtime/dispatch.py's; the memory limit is
 runtime/watchdog.py's; workers are asked and killed through the pool.
 
-Healing: when a worker of a READY model dies (crash, OOM kill, or killed by
-the front as hung or over its memory limit), its calls fail at once
-(UNAVAILABLE, or RESOURCE_EXHAUSTED for the memory limit) and a fresh worker
-reloads the model after a capped backoff; calls that arrive meanwhile wait in
-the model's line. A model that dies MODEL_CRASH_LIMIT times within
-MODEL_CRASH_WINDOW_MS is dropped, so it answers NOT_FOUND and model-mesh
-places it elsewhere.
+A worker's death is runtime/healing.py's: it reloads the model, or drops
+one that keeps crashing. Small models share packs (runtime/packs.py): a
+packed model's load and unload go through the pack, and unload returns once
+the pack gave the model's memory back (or was recycled).
 """
 
 from __future__ import annotations
@@ -29,9 +26,11 @@ import time
 
 from runtime import memory, status
 from runtime.channel import PeerGone
+from runtime.healing import Healer
 from runtime.metrics import Metrics
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
+from runtime.packs import Packs
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
@@ -41,9 +40,6 @@ log = logging.getLogger("mesh.supervisor")
 
 # How long a worker may take to run its model's close() on unload before SIGKILL.
 UNLOAD_GRACE_SECONDS = 2.0
-# Reload after the n-th recent crash waits HEAL_BACKOFF_SECONDS * 2**(n-1), at most the cap.
-HEAL_BACKOFF_SECONDS = 0.1
-HEAL_BACKOFF_CAP_SECONDS = 5.0
 LOAD_OUTCOMES = {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}
 
 
@@ -60,6 +56,8 @@ class Supervisor:
         self.settings = settings
         self.metrics = metrics
         self.pool = pool_factory(settings, self._on_worker_exit)
+        self.packs = Packs(settings, self.pool, on_recycle=metrics.observe_pack_recycle)
+        self.healer = Healer(self)
         self.capacity_bytes = 0  # as last reported to model-mesh
         self._models: dict[str, Model] = {}
         self._load_slots = asyncio.Semaphore(settings.max_loading_concurrency)
@@ -85,7 +83,7 @@ class Supervisor:
             self._watchdog.cancel()
         for model in list(self._models.values()):
             model.unload_requested = True
-            self._discard(model)
+            self.discard(model)
         await self.pool.close()
 
     def capacity(self) -> int:
@@ -96,7 +94,9 @@ class Supervisor:
         Blocking (reads /proc): run it in a thread.
         """
         model_pids = {w.pid for m in self.models() for w in m.workers if w.pid is not None}
-        overhead = memory.overhead(model_pids)
+        in_packs = self.packs.unclaimed()
+        model_pids |= {pid for pid, _ in in_packs if pid is not None}
+        overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs)
         total = memory.container_memory(self.settings.container_mem_req_bytes)
         self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
         return self.capacity_bytes
@@ -139,12 +139,12 @@ class Supervisor:
                 log.info(
                     "load of %s cancelled by the caller", spec.model_id, extra={"model_id": spec.model_id}
                 )
-                self._discard(model)
+                self.discard(model)
                 raise
             raise status.load_cancelled(spec.model_id) from None
         except Exception:
             # Answer only once nothing of the model is left: its worker is reaped.
-            self._discard(model)
+            self.discard(model)
             await asyncio.shield(model.gone)
             raise
 
@@ -154,14 +154,10 @@ class Supervisor:
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 async with self._load_slots:
-                    for _ in range(self.settings.model_replicas):
-                        await self._take_worker(model)
-                    replies = await asyncio.gather(*(self._send_load(model, w) for w in model.workers))
-                for reply in replies:
-                    if not reply["ok"]:
-                        raise status.from_worker(spec.model_id, reply)
-                charged = [(w.pid, spec.format.first_calls_bytes) for w in model.workers]
-                sizes = await asyncio.to_thread(memory.serving_costs, charged)
+                    if self.packs.accepts(spec):
+                        sizes = await self._load_packed(model)
+                    else:
+                        sizes = await self._load_own_workers(model)
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
@@ -189,27 +185,62 @@ class Supervisor:
         )
         return model.size
 
-    async def _take_worker(self, model: Model) -> Worker:
+    async def _load_own_workers(self, model: Model) -> list[int]:
+        """Loads the model into MODEL_REPLICAS spares of its own; their measured sizes."""
+        for _ in range(self.settings.model_replicas):
+            await self.take_worker(model)
+        replies = await asyncio.gather(*(self.send_load(model, w) for w in model.workers))
+        for reply in replies:
+            if not reply["ok"]:
+                raise status.from_worker(model.model_id, reply)
+        charged = [(w.pid, model.spec.format.first_calls_bytes) for w in model.workers]
+        return await asyncio.to_thread(memory.serving_costs, charged)
+
+    async def _load_packed(self, model: Model) -> list[int]:
+        """Loads the model into MODEL_REPLICAS packs; what it added to each. One that turns out
+        bigger than MODEL_PACK_MAX_BYTES moves to workers of its own."""
+        model.packed = True
+        sizes = []
+        for _ in range(self.settings.model_replicas):
+            worker, reply, size = await self.packs.load(model, avoid=model.workers)
+            if not reply["ok"]:
+                raise status.from_worker(model.model_id, reply)
+            model.workers.append(worker)
+            sizes.append(size)
+        if max(sizes) <= self.settings.model_pack_max_bytes:
+            return sizes
+        log.info(
+            "%s added %.1f MiB to its pack, over MODEL_PACK_MAX_BYTES: it moves to a worker of its own",
+            model.model_id,
+            max(sizes) / 2**20,
+            extra={"model_id": model.model_id},
+        )
+        await self.packs.remove(model)
+        model.workers.clear()
+        model.packed = False
+        return await self._load_own_workers(model)
+
+    async def take_worker(self, model: Model) -> Worker:
         """A spare for the model, recorded as the model's the moment it is ours."""
         worker = await self.pool.take(model.spec.format.name)
         worker.model_id = model.model_id
         model.workers.append(worker)
         return worker
 
-    def _send_load(self, model: Model, worker: Worker):
+    def send_load(self, model: Model, worker: Worker):
         return self.pool.send_load(worker, model.model_id, model.spec.format.name, model.spec.path)
 
     def _after_load(self, model: Model, task: asyncio.Task) -> None:
         seconds = time.monotonic() - model.load_started
         if task.cancelled():
             self.metrics.observe_load("cancelled", seconds)
-            self._discard(model)
+            self.discard(model)
         elif task.exception() is not None:
             error = task.exception()
             code = error.code.name if isinstance(error, status.RpcError) else "INTERNAL"
             self.metrics.observe_load(LOAD_OUTCOMES.get(code, "failed"), seconds)
             log.warning("load of %s failed: %s", model.model_id, error, extra={"model_id": model.model_id})
-            self._discard(model)
+            self.discard(model)
         else:
             self.metrics.observe_load("ok", seconds)
 
@@ -222,7 +253,7 @@ class Supervisor:
             return
         grace = UNLOAD_GRACE_SECONDS if model.state is ModelState.READY else 0.0
         model.unload_requested = True
-        self._discard(model, grace)
+        self.discard(model, grace)
         await asyncio.shield(model.gone)
 
     async def purge(self) -> None:
@@ -236,10 +267,10 @@ class Supervisor:
             )
         for model in models:
             model.unload_requested = True
-            self._discard(model)
+            self.discard(model)
         await asyncio.gather(*(asyncio.shield(m.gone) for m in models))
 
-    def _discard(self, model: Model, grace: float = 0.0) -> None:
+    def discard(self, model: Model, grace: float = 0.0) -> None:
         """Starts removing a model: stop its load or heal, end its workers; `gone` resolves when done."""
         if model.state is ModelState.UNLOADING:
             return
@@ -248,20 +279,18 @@ class Supervisor:
             if task is not None and not task.done():
                 task.cancel()
         model.replicas.fail_line(status.model_not_found(model.model_id))
-        alive = [w for w in model.workers if w.alive]
-        if not alive:
+        own = [w for w in model.workers if w.alive and not w.packed]
+        endings: list[asyncio.Future] = [w.exited for w in own]
+        if model.packed:
+            endings.append(asyncio.ensure_future(self.packs.remove(model)))
+        for worker in own:
+            self.pool.kill(worker, KillCause.UNLOAD, f"{model.model_id} is unloaded", grace)
+        if not endings:
             self._forget(model)
             return
-        remaining = set(alive)
-
-        def reaped(worker: Worker, _future) -> None:
-            remaining.discard(worker)
-            if not remaining:
-                self._forget(model)
-
-        for worker in alive:
-            worker.exited.add_done_callback(functools.partial(reaped, worker))
-            self.pool.kill(worker, KillCause.UNLOAD, f"{model.model_id} is unloaded", grace)
+        # Gone once every worker of its own is reaped and every pack gave its memory back.
+        ended = asyncio.gather(*endings, return_exceptions=True)
+        ended.add_done_callback(lambda _: self._forget(model))
 
     def _forget(self, model: Model) -> None:
         if self._models.get(model.model_id) is model:
@@ -271,79 +300,10 @@ class Supervisor:
             model.gone.set_result(None)
         log.info("%s unloaded; its memory is back", model.model_id, extra={"model_id": model.model_id})
 
-    # -- healing ------------------------------------------------------------------------
+    # -- healing (runtime/healing.py) -------------------------------------------------
 
     def _on_worker_exit(self, worker: Worker, exit_code: int | None) -> None:
-        model = self._models.get(worker.model_id) if worker.model_id else None
-        # A loading model learns of the death from its pending load request.
-        if model is None or model.state is not ModelState.READY or worker not in model.workers:
-            return
-        model.workers.remove(worker)
-        model.replicas.remove(worker)
-        cause = worker.kill_reason or status.describe_exit(exit_code)
-        self.metrics.observe_restart(model.model_id, worker.death_label)
-        if self._crash_limit_reached(model):
-            log.error(
-                "dropping %s: its workers died %d times within %d ms (last: %s); "
-                "model-mesh will place it elsewhere",
-                model.model_id,
-                len(model.crashes),
-                self.settings.model_crash_window_ms,
-                cause,
-                extra={"model_id": model.model_id},
-            )
-            self._discard(model)
-            return
-        log.error(
-            "the worker of %s died (%s); healing", model.model_id, cause, extra={"model_id": model.model_id}
-        )
-        if model.heal_task is None or model.heal_task.done():
-            model.heal_task = asyncio.create_task(self._heal(model), name=f"heal-{model.model_id}")
-
-    def _crash_limit_reached(self, model: Model) -> bool:
-        now = time.monotonic()
-        model.crashes.append(now)
-        while model.crashes and now - model.crashes[0] > self.settings.model_crash_window_ms / 1000:
-            model.crashes.popleft()
-        return len(model.crashes) >= self.settings.model_crash_limit
-
-    async def _heal(self, model: Model) -> None:
-        """Reloads the model into fresh workers until it has all its replicas again."""
-        while model.state is ModelState.READY and len(model.workers) < self.settings.model_replicas:
-            await asyncio.sleep(
-                min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1))
-            )
-            try:
-                worker = await self._take_worker(model)
-            except status.RpcError as error:  # WORKERS_MAX: no process to heal into
-                log.error(
-                    "dropping %s: cannot heal it: %s",
-                    model.model_id,
-                    error.message,
-                    extra={"model_id": model.model_id},
-                )
-                self._discard(model)
-                return
-            try:
-                async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
-                    reply = await self._send_load(model, worker)
-            except (PeerGone, TimeoutError):
-                reply = {"ok": False, "message": "the reload did not finish"}
-            finally:
-                self.pool.replenish()
-            if reply["ok"] and worker.serving:
-                model.replicas.add(worker)
-                log.info(
-                    "healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id}
-                )
-            else:
-                # Counted as a crash by _on_worker_exit, which may drop the model.
-                self.pool.kill(
-                    worker,
-                    KillCause.RELOAD_FAILED,
-                    f"reload failed: {reply.get('message', 'its worker died')}",
-                )
-                await asyncio.shield(worker.exited)
+        self.healer.on_worker_exit(worker, exit_code)
 
     # -- the table, as others read it ------------------------------------------------
 
@@ -354,6 +314,10 @@ class Supervisor:
             raise status.model_not_found(model_id)
         return model
 
+    def get(self, model_id: str) -> Model | None:
+        """The model in the table, in whatever state."""
+        return self._models.get(model_id)
+
     def is_known(self, model_id: str) -> bool:
         return model_id in self._models
 
@@ -363,6 +327,9 @@ class Supervisor:
 
     async def model_size(self, model_id: str) -> int:
         model = self.ready_model(model_id)
+        if model.packed:  # a pack's later growth is no one model's: capacity counts it
+            model.size = self.packs.size_of(model) or model.size
+            return model.size
         first_calls = model.spec.format.first_calls_bytes
         workers = [(w.pid, 0 if w.served else first_calls) for w in model.replicas.workers]
         sizes = await asyncio.to_thread(memory.serving_costs, workers)

@@ -160,6 +160,22 @@ VARIABLES: tuple[Variable, ...] = (
         parse.at_least(1),
     ),
     Variable(
+        "MODELS_PER_WORKER",
+        parse.whole_number,
+        1,
+        "small models one worker process (a pack) may hold; 1: every model has workers of its own",
+        parse.at_least(1),
+    ),
+    Variable(
+        "MODEL_PACK_MAX_BYTES",
+        parse.whole_number,
+        4 * 2**20,
+        "a model goes into a pack when its predicted size without the format's floor (bytes on disk x "
+        "MODELSIZE_MULTIPLIER) is below this, and leaves it for a worker of its own when its load "
+        "adds more",
+        parse.at_least(1),
+    ),
+    Variable(
         "WORKER_THREADS",
         parse.whole_number,
         1,

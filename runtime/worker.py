@@ -11,11 +11,15 @@ A worker's life, each step made by exactly one place in the pool:
 loudly where it happens instead of sending a call to a dying worker. A
 worker that dies on its own goes straight to EXITED; one the front killed
 passes through CONDEMNED, which takes no more calls.
+
+A pack (runtime/packs.py) is a worker that holds several small models: it
+takes further loads, and drops, while SERVING the models it has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import multiprocessing
 import os
@@ -55,11 +59,12 @@ class KillCause(enum.Enum):
     UNLOAD = "unload"  # its model is unloaded, or its load failed
     SHUTDOWN = "shutdown"  # the front is stopping
     SURPLUS = "surplus"  # an idle spare ended at WORKERS_MAX to make room for one of another fork server
+    RECYCLED = "recycled"  # a pack whose models moved to a fresh one (runtime/packs.py)
 
     @property
     def expected(self) -> bool:
         """Part of normal operation, not a fault: logged quietly."""
-        return self in (KillCause.UNLOAD, KillCause.SHUTDOWN, KillCause.SURPLUS)
+        return self in (KillCause.UNLOAD, KillCause.SHUTDOWN, KillCause.SURPLUS, KillCause.RECYCLED)
 
 
 # The label of a worker that died without the front killing it.
@@ -80,9 +85,13 @@ class Worker:
         self.group = group  # the fork server it was forked from (runtime/forkserver.py)
         self.pid: int | None = None
         self.state = WorkerState.STARTING
-        self.model_id: str | None = None
+        self.models: set[str] = set()  # ids of the models it holds or is loading
+        self.packed = False  # a pack: it may hold several models
+        self.pack_operations = 0  # loads and drops a pack runs while SERVING; its thread cannot beat
         self.started = time.monotonic()
         self.in_flight = 0  # calls sent and not answered yet
+        self.calls: collections.Counter[str] = collections.Counter()  # of those, per model id
+        self.running: frozenset[str] = frozenset()  # models with calls in it when it died
         self.kill_cause: KillCause | None = None
         self.kill_reason = ""  # the sentence for logs and status messages
         self.served = 0
@@ -101,6 +110,17 @@ class Worker:
         self.state = new
 
     @property
+    def model_id(self) -> str | None:
+        """The model of a worker of its own; None for a spare or a pack."""
+        if self.packed or len(self.models) != 1:
+            return None
+        return next(iter(self.models))
+
+    @model_id.setter
+    def model_id(self, model_id: str) -> None:
+        self.models = {model_id}
+
+    @property
     def alive(self) -> bool:
         return self.state is not WorkerState.EXITED
 
@@ -112,7 +132,7 @@ class Worker:
     @property
     def busy(self) -> bool:
         """Its one thread may be running a load or a call, so a missed beat proves nothing."""
-        return self.state is WorkerState.LOADING or self.in_flight > 0
+        return self.state is WorkerState.LOADING or self.in_flight > 0 or self.pack_operations > 0
 
     @property
     def death_label(self) -> str:
@@ -128,4 +148,6 @@ class Worker:
                 pass  # already dead; the sentinel will tell
 
     def __repr__(self) -> str:
+        if self.packed:
+            return f"<pack {self.identity.decode()} pid={self.pid} models={len(self.models)}>"
         return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"

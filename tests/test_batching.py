@@ -17,7 +17,14 @@ from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
 from runtime.replicas import PIPELINE_DEPTH, slots_per_worker
 from workers import protocol
+from workers.holding import Held
 from workers.loop import Worker
+
+
+def hold(worker, model, fmt="python", batches_rows=False):
+    """Gives the worker `model` as model "m", as a load would."""
+    worker.models.by_id = {"m": Held("m", fmt, model, batches_rows)} if model is not None else {}
+    worker.models.batches_rows = batches_rows
 
 
 class RowModel:
@@ -53,8 +60,7 @@ def worker(tmp_path):
             "batch_max": 8,
         }
     )
-    worker.model, worker.model_id, worker.format = RowModel(), "m", "sklearn"
-    worker.batches_rows = True
+    hold(worker, RowModel(), "sklearn", batches_rows=True)
     yield worker
     worker.socket.close(linger=0)
     worker.context.term()
@@ -113,7 +119,7 @@ def answers(replies):
 
 def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4], [5, 6]]), request([[7, 8]])))
-    assert worker.model.batches == [4]
+    assert worker.models.by_id["m"].model.batches == [4]
     assert answers(replies) == [
         (True, None, [[2, 4]]),
         (True, None, [[6, 8], [10, 12]]),
@@ -123,7 +129,7 @@ def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
 
 def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
     replies = worker.on_calls(calls(request([[1, 2]], raw=True), request([[3, 4]])))
-    assert worker.model.batches == [2]
+    assert worker.models.by_id["m"].model.batches == [2]
     assert [len(frames) for frames in replies] == [3, 2], "the raw call's output travels as its own frame"
     assert answers(replies) == [(True, None, [[2, 4]]), (True, None, [[6, 8]])]
 
@@ -131,7 +137,7 @@ def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
 def test_batches_hold_at_most_batch_max_calls(worker):
     worker.batch_max = 2
     replies = worker.on_calls(calls(*[request([[i, i]]) for i in range(5)]))
-    assert sorted(worker.model.batches) == [1, 2, 2]
+    assert sorted(worker.models.by_id["m"].model.batches) == [1, 2, 2]
     assert [a[2] for a in answers(replies)] == [[[2 * i, 2 * i]] for i in range(5)]
 
 
@@ -144,13 +150,15 @@ def test_calls_that_differ_run_apart(worker):
         request([[1, 1]]),
     ]
     replies = worker.on_calls(calls(*bodies))
-    assert sorted(worker.model.batches) == [1, 1, 1, 2], "only the first and last call look alike"
+    assert sorted(worker.models.by_id["m"].model.batches) == [1, 1, 1, 2], (
+        "only the first and last call look alike"
+    )
     assert all(ok for ok, _, _ in answers(replies[:2] + replies[3:]))
 
 
 def test_a_bad_request_fails_alone(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), b"\xff\xff not protobuf", request([[3, 4]])))
-    assert worker.model.batches == [2]
+    assert worker.models.by_id["m"].model.batches == [2]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (True, None),
         (False, protocol.ERROR_INVALID_INPUT),
@@ -164,7 +172,7 @@ def test_an_expired_call_is_not_run(worker):
     for index, (header, _) in enumerate(fresh):
         header["id"] = 200 + index
     replies = worker.on_calls(expired + fresh)
-    assert worker.model.batches == [2], "the expired call's rows were predicted"
+    assert worker.models.by_id["m"].model.batches == [2], "the expired call's rows were predicted"
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (False, protocol.ERROR_EXPIRED),
         (True, None),
@@ -174,7 +182,7 @@ def test_an_expired_call_is_not_run(worker):
 
 def test_a_failing_batch_is_retried_call_by_call(worker):
     replies = worker.on_calls(calls(request([[1, 2]]), request([[666, 0]]), request([[3, 4]])))
-    assert worker.model.batches == [3, 1, 1, 1]
+    assert worker.models.by_id["m"].model.batches == [3, 1, 1, 1]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (True, None),
         (False, protocol.ERROR_MODEL),
@@ -183,16 +191,16 @@ def test_a_failing_batch_is_retried_call_by_call(worker):
 
 
 def test_outputs_that_are_not_per_row_are_retried_call_by_call(worker):
-    worker.model = RowModel(per_row=False)
+    hold(worker, RowModel(per_row=False), "sklearn", batches_rows=True)
     replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
-    assert worker.model.batches == [2, 1, 1]
+    assert worker.models.by_id["m"].model.batches == [2, 1, 1]
     assert [values for _, _, values in answers(replies)] == [[3.0], [7.0]]
 
 
 def test_models_that_are_not_row_wise_never_share(worker):
-    worker.batches_rows = False
+    hold(worker, worker.models.by_id["m"].model, "sklearn", batches_rows=False)
     worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
-    assert worker.model.batches == [1, 1]
+    assert worker.models.by_id["m"].model.batches == [1, 1]
 
 
 def test_front_gives_batching_workers_room_for_a_batch():

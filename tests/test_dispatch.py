@@ -27,7 +27,7 @@ class FakePool:
         self.sent: list[tuple[Worker, str, bytes]] = []
         self.replies: list[asyncio.Future] = []
 
-    def submit_call(self, worker, method, request, deadline, on_end, overdue_after, on_overdue):
+    def submit_call(self, worker, model_id, method, request, deadline, on_end, overdue_after, on_overdue):
         self.sent.append((worker, method, request))
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: on_end())
@@ -159,7 +159,8 @@ def test_the_deadline_counts_time_in_line():
     async def scenario():
         worker = serving_worker()
         model = ready_model(worker)
-        worker.in_flight = model.replicas.slots  # full: the call waits in line
+        for _ in range(model.replicas.slots):  # full: the call waits in line
+            assert model.replicas.try_acquire() is worker
         pool = FakePool()
         dispatcher = dispatcher_for(model, pool)
         with pytest.raises(status.RpcError) as raised:

@@ -160,8 +160,9 @@ def test_the_replica_set_picks_the_least_busy_serving_worker_and_serves_its_line
         for worker in (busy, idle):
             for state in (WorkerState.SPARE, WorkerState.LOADING, WorkerState.SERVING):
                 worker.change_state(state)
-            replicas.add(worker)
-        busy.in_flight = 1
+        replicas.add(busy)
+        assert replicas.try_acquire() is busy  # its one slot taken
+        replicas.add(idle)
         assert replicas.try_acquire() is idle  # the least busy
         first, second = (asyncio.ensure_future(replicas.acquire()) for _ in range(2))
         await asyncio.sleep(0)

@@ -16,7 +16,14 @@ from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
 from runtime.beats import BeatFile
 from workers import protocol
+from workers.holding import Held
 from workers.loop import Worker
+
+
+def hold(worker, model, fmt="python", batches_rows=False):
+    """Gives the worker `model` as model "m", as a load would."""
+    worker.models.by_id = {"m": Held("m", fmt, model, batches_rows)} if model is not None else {}
+    worker.models.batches_rows = batches_rows
 
 
 class CountingModel:
@@ -40,7 +47,7 @@ def worker(tmp_path):
     worker = Worker(
         {"address": f"ipc://{tmp_path}/unit.sock", "identity": b"unit", "heartbeat_timeout": 1, "threads": 1}
     )
-    worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
+    hold(worker, CountingModel())
     yield worker
     worker.socket.close(linger=0)
     worker.context.term()
@@ -68,7 +75,7 @@ def call(worker, body, method=protocol.METHOD_INFER, deadline=None):
 def test_expired_call_is_dropped_without_running(worker):
     header, _ = call(worker, raw_request(), deadline=time.time() - 0.01)
     assert header["ok"] is False and header["error"] == protocol.ERROR_EXPIRED
-    assert worker.model.calls == 0
+    assert worker.models.by_id["m"].model.calls == 0
 
 
 def test_raw_outputs_travel_as_their_own_frames(worker):
@@ -96,7 +103,7 @@ def test_error_kinds(worker, body, method, kind):
 
 
 def test_call_without_a_model(worker):
-    worker.model = None
+    hold(worker, None)
     header, _ = call(worker, raw_request())
     assert header["error"] == protocol.ERROR_NOT_LOADED
 
@@ -105,8 +112,8 @@ def test_each_reply_leaves_before_the_next_queued_call_runs(worker):
     """Calls that were queued together are answered one by one, not all at the end."""
     events = []
     worker.send = lambda frames: events.append(("sent", msgpack.unpackb(frames[0])["id"]))
-    predict = worker.model.predict
-    worker.model.predict = lambda *args: (events.append(("ran", None)), predict(*args))[1]
+    predict = worker.models.by_id["m"].model.predict
+    worker.models.by_id["m"].model.predict = lambda *args: (events.append(("ran", None)), predict(*args))[1]
     messages = []
     for request_id in (1, 2):
         header = msgpack.packb(
@@ -147,7 +154,7 @@ def test_handle_returning_anything_but_bytes_is_a_model_error(worker):
         def handle(self, method, request):
             return "not bytes"
 
-    worker.model = TextHandler()
+    hold(worker, TextHandler())
     header, _ = call(worker, b"", "acme.Scorer/Score")
     assert header["ok"] is False and header["error"] == protocol.ERROR_MODEL
     assert "handle() returned str, expected bytes" in header["message"]
@@ -177,7 +184,7 @@ def serving_worker(tmp_path, front, **config):
             **config,
         }
     )
-    worker.model, worker.model_id, worker.format = CountingModel(), "m", "python"
+    hold(worker, CountingModel())
     serving = threading.Thread(target=worker.serve, daemon=True)
     serving.start()
     peer, hello = router.recv_multipart()

@@ -34,6 +34,7 @@ class InferCall(NamedTuple):
     parameters: dict[str, Any]
     raw: bool
     requested: list[str]  # the request's output names, in its order (empty: all the model's)
+    held: Any = None  # the worker's model it is for (workers/holding.py); None only in a rehearsal
 
     @property
     def rows(self) -> int | None:
@@ -49,7 +50,7 @@ def _likeness(call: InferCall) -> tuple:
     """Calls with equal likeness may share one predict."""
     inputs = tuple((name, array.dtype, array.shape[1:]) for name, array in call.inputs.items())
     parameters = repr(sorted(call.parameters.items())) if call.parameters else ""
-    return inputs, tuple(call.requested), parameters
+    return id(call.held), inputs, tuple(call.requested), parameters
 
 
 def groups(calls: list[InferCall], batch_max: int) -> list[list[InferCall]]:

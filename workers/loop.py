@@ -1,11 +1,13 @@
-"""The worker's serving loop: one DEALER socket, at most one model, WORKER_THREADS calls at a time.
+"""The worker's serving loop: one DEALER socket, its model (or a pack's), WORKER_THREADS calls at a time.
 
 Life of a worker (the front drives it; see workers/protocol.py for messages):
 
     forked by the fork server -> connect, say hello       (a warm spare)
     load    -> import the model, give scratch memory back to the OS, reply
-    call    -> decode the request, run the model, reply with the response bytes
-    SIGTERM -> model.close() if it has one, exit; SIGKILL when the front is in a hurry
+               (a pack takes several, workers/holding.py)
+    call    -> decode the request, run the model it names, reply with the response bytes
+    drop    -> a pack ends one of its models and gives its memory back
+    SIGTERM -> each model's close(), exit; SIGKILL when the front is in a hurry
 
 With WORKER_THREADS > 1, calls run in a thread pool; ZeroMQ sockets are not
 thread-safe, so each thread hands its reply to the main loop over an inproc
@@ -41,10 +43,11 @@ from typing import Any
 
 import zmq
 
-from plumbing import heap, lifeline, titles
+from plumbing import lifeline
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, formats, protocol, v2
+from workers import batching, protocol, v2
+from workers.holding import Held, Holdings
 
 log = logging.getLogger("mesh.worker")
 
@@ -60,9 +63,6 @@ BEAT_GROUP_GAP_MS = 100
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
-        self.model: Any = None
-        self.model_id = ""
-        self.format = ""
         self.front_check_seconds = config["heartbeat_timeout"]
         self.front = config.get("front")  # (pid, start time) of the front; None: taken as gone
         self.beat_ms = config.get("beat_ms", BEAT_MS)
@@ -79,7 +79,7 @@ class Worker:
         if self.front_exit is not None:
             self.polled.append(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
-        self.batches_rows = False  # set on load: the model's format predicts rows independently
+        self.models = Holdings(self.batch_max)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         threads = config.get("threads", 1)
         if threads > 1:
@@ -88,7 +88,7 @@ class Worker:
             self.replies.bind("inproc://replies")
             self.polled.append(self.replies)
             self.thread_sockets = threading.local()
-        self.handlers = {protocol.OP_LOAD: self.on_load}
+        self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
 
     def _watch_front(self) -> int | None:
         """A pidfd of the front, readable once the front exits: watching it costs no wake.
@@ -162,7 +162,7 @@ class Worker:
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
             messages.append((header, [frame.buffer for frame in payloads]))
             # Other models gain nothing from seeing the queue, and the next poll looks anyway.
-            if not self.batches_rows or not protocol.readable(self.socket):
+            if not self.models.batches_rows or not protocol.readable(self.socket):
                 break
         self.handle(messages)
 
@@ -185,11 +185,14 @@ class Worker:
             op = header["op"]
             if op == protocol.OP_CALL and self.pool is not None:
                 self.pool.submit(self.call_in_thread, header, payloads)
-            elif op == protocol.OP_CALL and self.batches_rows:
+            elif op == protocol.OP_CALL and self.models.batches_rows:
                 calls.append((header, payloads))  # may share a predict with the calls after it
             elif op == protocol.OP_CALL:
                 self.send(self.on_call(header, payloads))  # answered at once, not after the rest
             elif op in self.handlers:
+                for reply in self.on_calls(calls):  # calls that came first are answered first
+                    self.send(reply)
+                calls = []
                 self.send(self.handlers[op](header, payloads))
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
@@ -212,45 +215,9 @@ class Worker:
 
     def on_sigterm(self, signum, frame) -> None:
         try:
-            if self.model is not None:
-                self.model.close()
+            self.models.close_all()
         finally:
             os._exit(0)
-
-    def on_load(self, header: dict, payloads: list) -> list:
-        request_id = header["id"]
-        if self.model is not None:
-            return [
-                protocol.error_reply(
-                    request_id, protocol.ERROR_LOAD, f"this worker already holds model {self.model_id}"
-                )
-            ]
-        self.model_id, self.format = header["model_id"], header["format"]
-        titles.set_title(f"worker model={self.model_id}")
-        started = time.monotonic()
-        try:
-            self.model = formats.load(self.format, header["path"])
-        except Exception as error:
-            log.warning(
-                "load of %s failed: %s: %s",
-                self.model_id,
-                type(error).__name__,
-                error,
-                extra={"model_id": self.model_id},
-            )
-            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
-        heap.trim()  # the front then measures what the model keeps
-        fmt = formats.by_name(self.format)
-        assert fmt is not None, self.format  # formats.load() raised for an unknown format
-        self.batches_rows = fmt.batches_rows and self.batch_max > 1
-        log.info(
-            "loaded %s (%s) in %.1f ms",
-            self.model_id,
-            self.format,
-            (time.monotonic() - started) * 1000,
-            extra={"model_id": self.model_id},
-        )
-        return [protocol.reply(request_id)]
 
     def on_calls(self, calls: list[tuple[dict, list]]) -> list[list]:
         """Replies to calls that were queued together, in their order.
@@ -258,7 +225,7 @@ class Worker:
         A row-wise model predicts alike ModelInfer calls at once
         (workers/batching.py); every other call runs on its own.
         """
-        if len(calls) < 2 or not self.batches_rows:
+        if len(calls) < 2 or not self.models.batches_rows:
             return [self.on_call(header, payloads) for header, payloads in calls]
         replies: dict[int, list] = {}
         decoded: list[batching.InferCall] = []
@@ -274,16 +241,21 @@ class Worker:
 
     def on_call(self, header: dict, payloads: list) -> list:
         request_id, method = header["id"], header["method"]
-        refusal = self._refusal(header)
-        if refusal is not None:
-            return refusal
+        held = self.models.find(header.get("model"))
+        refusal = self._refusal(header, held)
+        if refusal is not None or held is None:
+            return refusal or []  # _refusal() answers every call without a model
         request = payloads[0] if payloads else b""
-        return self._answer(request_id, method, lambda: self._dispatch(request_id, method, request))
+        return self._answer(
+            held, request_id, method, lambda: self._dispatch(held, request_id, method, request)
+        )
 
-    def _refusal(self, header: dict) -> list | None:
-        """The reply to a call that must not run (no model, deadline passed), else None."""
-        if self.model is None:
-            return [protocol.error_reply(header["id"], protocol.ERROR_NOT_LOADED, "no model in this worker")]
+    def _refusal(self, header: dict, held: Held | None) -> list | None:
+        """The reply to a call that must not run (its model not here, deadline passed), else None."""
+        if held is None:
+            wanted = header.get("model")
+            message = f"model {wanted} is not in this worker" if wanted else "no model in this worker"
+            return [protocol.error_reply(header["id"], protocol.ERROR_NOT_LOADED, message)]
         deadline = header.get("deadline")
         if deadline is not None and time.time() > deadline:
             return [
@@ -293,7 +265,7 @@ class Worker:
             ]
         return None
 
-    def _answer(self, request_id: int, method: str, work) -> list:
+    def _answer(self, held: Held, request_id: int, method: str, work) -> list:
         """work()'s reply frames, or the failed reply naming what went wrong."""
         try:
             return work()
@@ -303,27 +275,27 @@ class Worker:
             return [protocol.error_reply(request_id, protocol.ERROR_UNIMPLEMENTED, str(error))]
         except Exception as error:
             log.exception(
-                "model %s raised while serving %s", self.model_id, method, extra={"model_id": self.model_id}
+                "model %s raised while serving %s", held.model_id, method, extra={"model_id": held.model_id}
             )
             return [
                 protocol.error_reply(request_id, protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")
             ]
 
-    def _dispatch(self, request_id: int, method: str, request) -> list:
+    def _dispatch(self, held: Held, request_id: int, method: str, request) -> list:
         if method == protocol.METHOD_INFER:
-            call = self._decode(request_id, request)
+            call = self._decode(request_id, request, held)
             return self._infer_reply(call, self._predict(call, call.inputs))
         if method == protocol.METHOD_METADATA:
-            body = v2.metadata_response(self.model_id, self.format, self.model.metadata())
-        elif getattr(self.model, "handles_methods", False):
-            body = self.model.handle(method, bytes(request))
+            body = v2.metadata_response(held.model_id, held.format, held.model.metadata())
+        elif getattr(held.model, "handles_methods", False):
+            body = held.model.handle(method, bytes(request))
             if not isinstance(body, (bytes, bytearray, memoryview)):  # ZeroMQ would raise on sending it
                 raise TypeError(f"handle() returned {type(body).__name__}, expected bytes")
         else:
-            raise _Unimplemented(f"model {self.model_id} does not serve {method}")
+            raise _Unimplemented(f"model {held.model_id} does not serve {method}")
         return [protocol.reply(request_id), body]
 
-    def _decode(self, request_id: int, request_bytes) -> batching.InferCall:
+    def _decode(self, request_id: int, request_bytes, held: Held | None = None) -> batching.InferCall:
         try:
             if len(request_bytes) < protocol.COPY_BELOW:
                 # Small: protobuf parses it whole faster than Python walks its fields,
@@ -336,12 +308,13 @@ class Worker:
         except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request, raw_inputs)
-        return batching.InferCall(
-            request_id, request, inputs, parameters, raw, [output.name for output in request.outputs]
-        )
+        requested = [output.name for output in request.outputs]
+        return batching.InferCall(request_id, request, inputs, parameters, raw, requested, held)
 
-    def _predict(self, call: batching.InferCall, inputs: dict):
-        return self.model.predict(inputs, call.parameters, call.requested)
+    @staticmethod
+    def _predict(call: batching.InferCall, inputs: dict):
+        assert call.held is not None  # only the spare's rehearsal decodes without a model, and never predicts
+        return call.held.model.predict(inputs, call.parameters, call.requested)
 
     @staticmethod
     def _infer_reply(call: batching.InferCall, outputs) -> list:
@@ -350,16 +323,19 @@ class Worker:
 
     def _decoded_for_batch(self, header: dict, payloads: list) -> batching.InferCall | None:
         """A ModelInfer call that may share a predict, decoded; None for one that must run alone."""
-        if header["method"] != protocol.METHOD_INFER or self._refusal(header) is not None:
+        held = self.models.find(header.get("model"))
+        if header["method"] != protocol.METHOD_INFER or self._refusal(header, held) is not None:
             return None
         try:
-            return self._decode(header["id"], payloads[0] if payloads else b"")
+            return self._decode(header["id"], payloads[0] if payloads else b"", held)
         except Exception:
             return None  # on_call decodes it again and says what is wrong
 
     def _predict_group(self, group: list[batching.InferCall]) -> dict[int, list]:
         """Replies to a group of alike calls by request id: one predict, or one each if that fails."""
         shares: Sequence[dict | None] = [None] * len(group)  # None: the call predicts on its own
+        held = group[0].held  # a group's calls are for one model (batching.groups)
+        assert held is not None  # _decoded_for_batch() decodes only calls for a held model
         if len(group) > 1:
             try:
                 # Alike calls: the first one's parameters and requested outputs are everyone's.
@@ -371,11 +347,11 @@ class Worker:
                     len(group),
                     type(error).__name__,
                     error,
-                    extra={"model_id": self.model_id},
+                    extra={"model_id": held.model_id},
                 )
         return {
             call.request_id: self._answer(
-                call.request_id, protocol.METHOD_INFER, functools.partial(self._reply_to, call, share)
+                held, call.request_id, protocol.METHOD_INFER, functools.partial(self._reply_to, call, share)
             )
             for call, share in zip(group, shares, strict=True)
         }

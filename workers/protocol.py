@@ -20,8 +20,11 @@ worker identity frame in front of the header on the front's side.
 Messages:
 
     worker -> front   hello  {pid}                    worker is connected and idle
-    front  -> worker  load   {id, model_id, format, path, key}
-    front  -> worker  call   {id, method, deadline} + [request bytes]
+    front  -> worker  load   {id, model_id, format, path, pack}
+                             pack: the worker may hold other models too
+    front  -> worker  drop   {id, model_id}          a pack ends one model
+    front  -> worker  call   {id, model, method, deadline} + [request bytes]
+                             model: the model id it is for;
                              deadline: epoch seconds after which the call
                              must not run (None: no deadline)
     worker -> front   reply  {id, ok, error?, message?, append_field?}
@@ -46,7 +49,7 @@ from typing import Any, Final
 import msgpack
 import zmq
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # The front hands the fork server its WORKER_PRELOAD list through this
 # environment variable: multiprocessing starts the fork server, which offers
@@ -56,9 +59,10 @@ FORKSERVER_GROUP_ENV = "MESH_FORKSERVER_GROUP"  # which fork server this is: "ba
 
 OP_HELLO = "hello"
 OP_LOAD = "load"
+OP_DROP = "drop"
 OP_CALL = "call"
 OP_REPLY = "reply"
-OPS = frozenset({OP_HELLO, OP_LOAD, OP_CALL, OP_REPLY})
+OPS = frozenset({OP_HELLO, OP_LOAD, OP_DROP, OP_CALL, OP_REPLY})
 
 # Error kinds a worker may put in a failed reply.
 ERROR_LOAD = "load"  # the model's code raised while loading

@@ -73,7 +73,7 @@ def find_workers(supervisor, target: str) -> list:
         # Compared as text: int() refuses some digits ("²") and very long numbers.
         found = [w for w in workers if str(w.pid) == target]
     else:
-        found = [w for w in workers if w.model_id == target]
+        found = [w for w in workers if target in w.models]
     if not found:
         raise AdminError(f"no worker with pid or model {target!r}")
     return found

@@ -116,6 +116,8 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         cells = zip(_cells(row), COLUMNS, strict=True)
         lines.append(" ".join(cell.ljust(width) for cell, (_, width) in cells).rstrip())
+        for member in row.get("models", []):  # a pack's models, under it
+            lines.append(f"{'':{COLUMNS[0][1]}}   - {member['model']} {_mib(member['bytes'])}")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """workers: one row per worker process.
 
-Each row: pid, role (spare or model), model id, state (starting, spare,
+Each row: pid, role (spare, model, or pack: a worker holding several small
+models, each listed under `models` with the bytes it is charged), model id, state (starting, spare,
 loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS and RSS in bytes, CPU % since
 the last `workers` call, calls in flight, calls served, calls failed, and the
 last error.
@@ -46,11 +47,14 @@ async def run(supervisor, args: list[str]) -> list[dict]:
     rows = []
     for worker in sorted(workers, key=lambda w: w.pid):
         uss, rss, cpu = figures[worker.pid]
+        pack = supervisor.packs.of(worker)
+        members = sorted(pack.charged.items()) if pack is not None else []
         rows.append(
             {
                 "pid": worker.pid,
-                "role": "model" if worker.model_id else "spare",
-                "model": worker.model_id or "",
+                "role": "pack" if worker.packed else "model" if worker.model_id else "spare",
+                "model": f"{len(members)} models" if worker.packed else worker.model_id or "",
+                "models": [{"model": model_id, "bytes": size} for model_id, size in members],
                 "state": worker.state.value,
                 "uptime_s": round(now - worker.started, 1),
                 "uss_bytes": uss,

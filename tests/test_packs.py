@@ -1,0 +1,164 @@
+"""Packs: small models sharing one worker process (runtime/packs.py), end to end.
+
+Each test starts a runtime with MODELS_PER_WORKER > 1 and python models,
+and judges from outside: process titles and pids, answers, sizes, the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import grpc
+import psutil
+import pytest
+from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, wait_until
+
+# A model that keeps memory after it is dropped: its load parks 8 MiB in a
+# module that outlives it (numpy), so the pack cannot shrink when it goes.
+LEAKY_MODEL = """
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            parked = getattr(np, "_parked_by_test", [])
+            parked.append(np.ones(8 * 1024 * 1024, dtype=np.uint8))
+            np._parked_by_test = parked
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+# A model whose predict kills its own process: the whole pack dies with it.
+CRASHING_MODEL = """
+    import os, signal
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
+SLOW_MODEL = """
+    import time
+
+    class Model:
+        def __init__(self, path):
+            time.sleep(3)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def packed(**env) -> Runtime:
+    settings = {"MODELS_PER_WORKER": "4", "WORKERS_WARM": "1", "MODEL_PACK_MAX_BYTES": str(32 * MiB)}
+    return Runtime(**{**settings, **env})
+
+
+def answers(rt: Runtime, model_id: str) -> bool:
+    return list(rt.infer_fp32(model_id, [2.5]).outputs[0].contents.fp32_contents) == [2.5]
+
+
+def pack_pids(rt: Runtime) -> set[int]:
+    return {p.pid for p in alive(rt.packs())}
+
+
+def test_small_models_share_packs_each_answers_and_unloading_all_ends_them():
+    with packed() as rt:
+        sizes = [rt.load(f"m{i}", rt.model_dir(f"m{i}")).sizeInBytes for i in range(6)]
+        assert len(pack_pids(rt)) == 2, "six models, four per pack"
+        assert rt.model_workers() == 0, "no model has a worker of its own"
+        assert all(answers(rt, f"m{i}") for i in range(6))
+        # Each size is what the load added to its pack: far below a worker of its own.
+        assert all(0 < size < 2 * MiB for size in sizes), sizes
+        before = pack_pids(rt)
+        # Not m0: the first load into a pack also pays the pack's first-use costs.
+        rt.unload("m1")
+        assert pack_pids(rt) == before, "an echo model gives back what its load added: no recycle"
+        assert all(answers(rt, f"m{i}") for i in range(6) if i != 1)
+        expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "m1", [1.0])
+        for i in (2, 3, 5, 0, 4):
+            rt.unload(f"m{i}")
+        assert not pack_pids(rt) and not any(psutil.pid_exists(pid) for pid in before)
+
+
+def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_returns():
+    with packed() as rt:
+        rt.load("echo", rt.model_dir("echo"))
+        leaky = rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL)).sizeInBytes
+        assert leaky >= 8 * MiB
+        (old,) = pack_pids(rt)
+        rt.unload("leaky")
+        assert not psutil.pid_exists(old), "the old pack is reaped before unloadModel returns"
+        (fresh,) = pack_pids(rt)
+        assert fresh != old
+        assert answers(rt, "echo"), "the survivor moved to the fresh pack"
+        assert "recycling" in rt.log()
+
+
+def test_a_pack_crash_heals_the_neighbours_and_drops_only_the_model_that_crashed_it():
+    with packed(MODEL_CRASH_LIMIT="2") as rt:
+        for model_id in ("a", "b"):
+            rt.load(model_id, rt.model_dir(model_id))
+        rt.load("bad", rt.model_dir("bad", CRASHING_MODEL))
+        for _ in range(2):
+            expect_status(grpc.StatusCode.UNAVAILABLE, rt.infer_fp32, "bad", [1.0])
+            wait_until(lambda: "dropping bad" in rt.log() or "healed bad" in rt.log(), timeout=20)
+        wait_until(lambda: "dropping bad" in rt.log(), timeout=20, what="the crashing model dropped")
+        expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "bad", [1.0])
+        wait_until(lambda: answers(rt, "a") and answers(rt, "b"), timeout=20, what="the neighbours healed")
+        assert "dropping a:" not in rt.log() and "dropping b:" not in rt.log()
+
+
+def test_a_cancelled_load_in_a_pack_recycles_it_and_the_survivor_serves_on():
+    with packed() as rt:
+        rt.load("echo", rt.model_dir("echo"))
+        (old,) = pack_pids(rt)
+        expect_status(
+            grpc.StatusCode.DEADLINE_EXCEEDED, rt.load, "slow", rt.model_dir("slow", SLOW_MODEL), timeout=0.5
+        )
+        rt.unload("slow")  # what model-mesh sends after a load it gave up on
+        assert not psutil.pid_exists(old), "the pack that may still be loading it is reaped"
+        assert answers(rt, "echo")
+        assert old not in pack_pids(rt) and len(pack_pids(rt)) == 1
+
+
+def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
+    with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
+        rt.load("echo", rt.model_dir("echo"))
+        size = rt.load("big", rt.model_dir("big", allocating_model(16))).sizeInBytes
+        assert size > 16 * MiB
+        assert rt.worker_for("big") is not None, "big runs in a worker of its own"
+        assert len(pack_pids(rt)) == 1 and answers(rt, "echo")
+        assert "over MODEL_PACK_MAX_BYTES" in rt.log()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL])
+def test_a_pack_killed_from_outside_heals_every_model_in_it(signum):
+    with packed() as rt:
+        for i in range(3):
+            rt.load(f"m{i}", rt.model_dir(f"m{i}"))
+        (pid,) = pack_pids(rt)
+        os.kill(pid, signum)
+        wait_until(
+            lambda: pid not in pack_pids(rt) and len(pack_pids(rt)) == 1, timeout=20, what="a new pack"
+        )
+        wait_until(lambda: all(answers(rt, f"m{i}") for i in range(3)), timeout=20, what="all healed")
+
+
+def test_inspect_workers_shows_each_pack_with_its_models_and_their_sizes():
+    with packed() as rt:
+        sizes = {f"m{i}": rt.load(f"m{i}", rt.model_dir(f"m{i}")).sizeInBytes for i in range(3)}
+        command = [os.path.join(REPO, "scripts", "inspect-workers"), "--runtime-dir", rt.env["RUNTIME_DIR"]]
+        rows = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True).stdout)
+        (pack,) = [row for row in rows["workers"] if row["role"] == "pack"]
+        assert pack["model"] == "3 models"
+        assert {m["model"]: m["bytes"] for m in pack["models"]} == sizes
+        shown = subprocess.run(command, capture_output=True, text=True).stdout
+        assert all(f"- m{i} " in shown for i in range(3)), shown

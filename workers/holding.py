@@ -1,0 +1,117 @@
+"""The models one worker holds: one in a worker of its own, several in a pack.
+
+The front decides what goes where; a worker only refuses a second model when
+either load did not say `pack` (a worker of its own stays one model's, so its
+death is that model's alone). Every call names its model, so a pack looks the
+model up per call; a call for a model it does not hold answers NOT_LOADED.
+
+`drop` ends one model of a pack: its close() runs, its objects are freed and
+the heap they used goes back to the OS (gc, then malloc_trim), so that the
+front, measuring the pack from outside before and after, sees what the model
+gave back. A drop in a worker of its own is never sent: the front kills it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import time
+from typing import Any
+
+from plumbing import heap, titles
+from workers import formats, protocol
+
+log = logging.getLogger("mesh.worker")
+
+
+@dataclasses.dataclass
+class Held:
+    model_id: str
+    format: str
+    model: Any
+    batches_rows: bool  # its format predicts rows independently, and batching is on
+
+
+class Holdings:
+    def __init__(self, batch_max: int):
+        self.batch_max = batch_max
+        self.by_id: dict[str, Held] = {}
+        self.packed = False  # every load so far said `pack`
+        self.batches_rows = False  # some held model batches rows: take every queued message
+
+    def find(self, model_id: str | None) -> Held | None:
+        """The held model a call names; a call that names none goes to the one model held."""
+        if model_id is None:
+            return next(iter(self.by_id.values())) if len(self.by_id) == 1 else None
+        return self.by_id.get(model_id)
+
+    def load(self, header: dict, payloads: list) -> list:
+        request_id, model_id, packed = header["id"], header["model_id"], bool(header.get("pack"))
+        if self.by_id and not (packed and self.packed):
+            held = ", ".join(self.by_id)
+            message = f"this worker already holds model {held}, and is not a pack"
+            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, message)]
+        if model_id in self.by_id:
+            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{model_id} is loaded already")]
+        self.packed = packed
+        self._title(extra=model_id)
+        started = time.monotonic()
+        try:
+            model = formats.load(header["format"], header["path"])
+        except Exception as error:
+            log.warning(
+                "load of %s failed: %s: %s",
+                model_id,
+                type(error).__name__,
+                error,
+                extra={"model_id": model_id},
+            )
+            self._after_change(collect=True)  # what the failed load left goes back before measuring
+            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
+        fmt = formats.by_name(header["format"])
+        assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
+        self.by_id[model_id] = Held(model_id, fmt.name, model, fmt.batches_rows and self.batch_max > 1)
+        self._after_change()
+        log.info(
+            "loaded %s (%s) in %.1f ms",
+            model_id,
+            fmt.name,
+            (time.monotonic() - started) * 1000,
+            extra={"model_id": model_id},
+        )
+        return [protocol.reply(request_id)]
+
+    def drop(self, header: dict, payloads: list) -> list:
+        model_id = header["model_id"]
+        held = self.by_id.pop(model_id, None)
+        if held is not None:
+            try:
+                held.model.close()
+            except Exception:
+                log.exception("close() of %s raised", model_id, extra={"model_id": model_id})
+            del held
+        self._title()
+        self._after_change(collect=True)
+        log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
+        return [protocol.reply(header["id"])]
+
+    def close_all(self) -> None:
+        """Runs every held model's close(), as the worker exits."""
+        for held in self.by_id.values():
+            held.model.close()
+
+    def _after_change(self, collect: bool = False) -> None:
+        """Gives the heap back to the OS (after freeing what is unreachable, when asked): the front
+        measures next. The fork server froze its objects, so a collection walks only ours."""
+        self.batches_rows = any(held.batches_rows for held in self.by_id.values())
+        if collect:
+            gc.collect()
+        heap.trim()
+
+    def _title(self, extra: str = "") -> None:
+        names = [*self.by_id, extra] if extra else list(self.by_id)
+        if not self.packed:
+            titles.set_title(f"worker model={names[0]}" if names else "worker")
+        else:
+            titles.set_title(f"pack models={len(names)}")
