@@ -7,16 +7,18 @@ into a spare that becomes a new pack. Each replica goes into another pack.
 
 Every load into a pack and every drop from it runs alone (the pack's lock)
 and is measured from outside the process, before and after, kernel share
-included (runtime/memory.py): what the load added, plus its format's
-first-call charge, is the model's size; what the drop gave back is checked
-against what the load added. A pack that did not shrink by that, less
+included (runtime/memory.py). A model's size is what its load added, a
+small first-call charge, and its share of the pack's base (the spare's
+cost over MODELS_PER_WORKER): model-mesh reads capacity only once, at
+start, so a pack's base must be in the sizes of the models that fill it.
+What the drop gave back is checked against what the load added. A pack that did not shrink by that, less
 RECYCLE_SLACK_BYTES, is recycled before the unload returns:
 a fresh worker loads the survivors, their calls move to it (calls already
 sent finish in the old one), and the old one is killed once it has
 answered them, and reaped. A load that was abandoned (cancelled, timed out:
 the pack may still be running it) ends the same way, and so does a failed
-load that left memory behind. The pack's own base cost is in no model's
-size: capacity counts it once (`unclaimed()`).
+load that left memory behind. What the pack costs beyond its models'
+sizes (a pack not yet full) is counted in capacity (`unclaimed()`).
 
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the models that had calls
@@ -42,9 +44,12 @@ log = logging.getLogger("mesh.packs")
 # What a drop may fail to give back before the pack is recycled: heap pages
 # that stay partly used by the survivors, allocator bookkeeping.
 RECYCLE_SLACK_BYTES = 128 * 1024
-# The least a packed model is charged: a load that reused heap the pack had
-# freed grows it by less than the model holds.
-PACKED_MODEL_MIN_BYTES = 64 * 1024
+# The least a packed model's load is charged: a load that reused heap the
+# pack had freed grows it by less than the model holds.
+PACKED_MODEL_MIN_BYTES = 32 * 1024
+# What a packed model's first calls add: its pack runs the call path already
+# (docs/density.md has the measurement), so far less than a fresh worker's.
+PACKED_FIRST_CALLS_BYTES = 16 * 1024
 # How long a recycled pack may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
 
@@ -59,6 +64,7 @@ class Pack:
         self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
         self.open = True  # takes new models; False once it is recycled, emptied or dead
         self.abandoned = False  # a load was given up while the pack may still run it
+        self.base_bytes = 0  # what it cost before its first model, its share of the front included
 
 
 class Packs:
@@ -129,6 +135,8 @@ class Packs:
         """Holding the pack's lock: load, measured from outside before and after."""
         worker, spec = pack.worker, model.spec
         before = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        if not pack.base_bytes:
+            pack.base_bytes = before + memory.FRONT_SHARE_BYTES
         try:
             reply = await self.pool.send_load(worker, model.model_id, spec.format.name, spec.path, pack=True)
         except asyncio.CancelledError:
@@ -140,7 +148,8 @@ class Packs:
         after = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
         if reply["ok"]:
             pack.grown[model.model_id] = max(0, after - before)
-            size = max(after - before, PACKED_MODEL_MIN_BYTES) + spec.format.first_calls_bytes
+            base_share = pack.base_bytes // self.settings.models_per_worker
+            size = max(after - before, PACKED_MODEL_MIN_BYTES) + PACKED_FIRST_CALLS_BYTES + base_share
             pack.charged[model.model_id] = size
             return reply, size
         pack.members.pop(model.model_id, None)

@@ -240,3 +240,22 @@ def test_sklearn_calls_under_load_each_get_their_own_prediction(tmp_path):
         assert got == expected.tolist()
         log = rt.log()
     assert "ERROR" not in log and "batch of" not in log, "a batch failed or the runtime logged an error"
+
+
+def test_calls_for_two_models_of_a_pack_never_share_a_predict(worker):
+    first, second = RowModel(), RowModel()
+    worker.models.by_id = {
+        "a": Held("a", "sklearn", first, True),
+        "b": Held("b", "sklearn", second, True),
+    }
+    queued = calls(request([[1, 2]]), request([[3, 4]]), request([[5, 6]]), request([[7, 8]]))
+    for (header, _), model_id in zip(queued, ("a", "b", "a", "b"), strict=True):
+        header["model"] = model_id
+    replies = worker.on_calls(queued)
+    assert (first.batches, second.batches) == ([2], [2]), "each model predicts its own two calls at once"
+    assert [values for _, _, values in answers(replies)] == [
+        [[2.0, 4.0]],
+        [[6.0, 8.0]],
+        [[10.0, 12.0]],
+        [[14.0, 16.0]],
+    ]

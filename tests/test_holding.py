@@ -1,0 +1,47 @@
+"""The models one worker holds (workers/holding.py): one of its own, or several in a pack."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from harness import ECHO_MODEL, write_model
+
+from workers import protocol
+from workers.holding import Holdings
+
+
+def load(holdings: Holdings, model_id: str, path: str, pack: bool) -> dict:
+    header = {"id": 1, "model_id": model_id, "format": "python", "path": path, "pack": pack}
+    return msgpack.unpackb(holdings.load(header, [])[0])
+
+
+@pytest.fixture
+def echo(tmp_path):
+    return write_model(str(tmp_path / "echo"), ECHO_MODEL)
+
+
+def test_a_worker_of_its_own_refuses_a_second_model(echo):
+    holdings = Holdings(batch_max=1)
+    assert load(holdings, "a", echo, pack=False)["ok"]
+    refused = load(holdings, "b", echo, pack=True)
+    assert refused["error"] == protocol.ERROR_LOAD and "not a pack" in refused["message"]
+    assert list(holdings.by_id) == ["a"]
+
+
+def test_a_pack_holds_several_finds_each_by_id_and_drops_one(echo):
+    holdings = Holdings(batch_max=1)
+    assert all(load(holdings, model_id, echo, pack=True)["ok"] for model_id in ("a", "b"))
+    assert load(holdings, "a", echo, pack=True)["error"] == protocol.ERROR_LOAD  # loaded already
+    assert holdings.find("a").model_id == "a" and holdings.find("b").model_id == "b"
+    assert holdings.find(None) is None, "a call that names no model is for the one model held"
+    assert msgpack.unpackb(holdings.drop({"id": 2, "model_id": "a"}, [])[0])["ok"]
+    assert holdings.find("a") is None and holdings.find(None).model_id == "b"
+
+
+def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo):
+    holdings = Holdings(batch_max=1)
+    load(holdings, "a", echo, pack=True)
+    broken = write_model(str(tmp_path / "broken"), "raise RuntimeError('no')\n")
+    failed = load(holdings, "b", broken, pack=True)
+    assert failed["error"] == protocol.ERROR_LOAD and "no" in failed["message"]
+    assert list(holdings.by_id) == ["a"]
