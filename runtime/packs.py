@@ -65,6 +65,7 @@ class Pack:
         self.open = True  # takes new models; False once it is recycled, emptied or dead
         self.abandoned = False  # a load was given up while the pack may still run it
         self.base_bytes = 0  # what it cost before its first model, its share of the front included
+        self.first_use_counted = False  # _count_first_use() ran
 
 
 class Packs:
@@ -148,6 +149,7 @@ class Packs:
         after = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
         if reply["ok"]:
             pack.grown[model.model_id] = max(0, after - before)
+            self._count_first_use(pack)
             base_share = pack.base_bytes // self.settings.models_per_worker
             size = max(after - before, PACKED_MODEL_MIN_BYTES) + PACKED_FIRST_CALLS_BYTES + base_share
             pack.charged[model.model_id] = size
@@ -159,6 +161,22 @@ class Packs:
         elif after - before > RECYCLE_SLACK_BYTES:
             await self._recycle(pack, f"the failed load of {model.model_id} left {after - before} bytes")
         return reply, 0
+
+    @staticmethod
+    def _count_first_use(pack: Pack) -> None:
+        """Once a second model is in, what the first load added beyond the second's was the pack's
+        first-use cost (imports, caches later loads reuse): it moves from the first model's size to
+        the pack's base, and a drop of the first model is not expected to give it back."""
+        if len(pack.grown) != 2 or pack.first_use_counted:
+            return
+        first, second = pack.grown
+        first_use = pack.grown[first] - pack.grown[second]
+        pack.first_use_counted = True
+        if first_use <= 0:
+            return
+        pack.grown[first] -= first_use
+        pack.charged[first] = max(PACKED_MODEL_MIN_BYTES, pack.charged[first] - first_use)
+        pack.base_bytes += first_use
 
     # -- unloading --------------------------------------------------------------------
 
@@ -249,11 +267,10 @@ class Packs:
                 for model in survivors:
                     fresh.members[model.model_id] = model
                     reply, _ = await self._load_into(fresh, model)
+                    # One unloaded meanwhile stays a member: its unload, waiting its turn, drops it.
                     if reply["ok"] and worker.serving and model.ready:
                         _switch(model, old_pack.worker, worker)
                         moved += 1
-                    else:
-                        fresh.members.pop(model.model_id, None)
         except PeerGone:
             log.error("the fresh pack %r died while the survivors moved in", worker)
         finally:

@@ -10,11 +10,12 @@ import json
 import os
 import signal
 import subprocess
+import urllib.request
 
 import grpc
 import psutil
 import pytest
-from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, wait_until
+from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, free_port, wait_until
 
 # A model that keeps memory after it is dropped: its load parks 8 MiB in a
 # module that outlives it (numpy), so the pack cannot shrink when it goes.
@@ -88,8 +89,15 @@ def test_small_models_share_packs_each_answers_and_unloading_all_ends_them():
         assert not pack_pids(rt) and not any(psutil.pid_exists(pid) for pid in before)
 
 
+def metric(rt: Runtime, name: str) -> float:
+    port = rt.env["METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
+
+
 def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_returns():
-    with packed() as rt:
+    with packed(METRICS_PORT=str(free_port())) as rt:
         rt.load("echo", rt.model_dir("echo"))
         leaky = rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL)).sizeInBytes
         assert leaky >= 8 * MiB
@@ -100,6 +108,8 @@ def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_r
         assert fresh != old
         assert answers(rt, "echo"), "the survivor moved to the fresh pack"
         assert "recycling" in rt.log()
+        assert metric(rt, "mesh_pack_recycle_seconds_count") == 1
+        assert metric(rt, "mesh_pack_models_moved_total") == 1
 
 
 def test_a_pack_crash_heals_the_neighbours_and_drops_only_the_model_that_crashed_it():
@@ -159,6 +169,10 @@ def test_inspect_workers_shows_each_pack_with_its_models_and_their_sizes():
         rows = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True).stdout)
         (pack,) = [row for row in rows["workers"] if row["role"] == "pack"]
         assert pack["model"] == "3 models"
-        assert {m["model"]: m["bytes"] for m in pack["models"]} == sizes
+        shown_sizes = {m["model"]: m["bytes"] for m in pack["models"]}
+        assert shown_sizes.keys() == sizes.keys()
+        assert shown_sizes["m1"] == sizes["m1"] and shown_sizes["m2"] == sizes["m2"]
+        # The first load also paid the pack's first-use costs, which moved to the pack's base.
+        assert 0 < shown_sizes["m0"] <= sizes["m0"]
         shown = subprocess.run(command, capture_output=True, text=True).stdout
         assert all(f"- m{i} " in shown for i in range(3)), shown
