@@ -22,7 +22,8 @@ async def watch_memory(supervisor, pool: WorkerPool, limit: int) -> None:
     """Measures every serving model worker each CHECK_SECONDS; runs until cancelled."""
     while True:
         await asyncio.sleep(CHECK_SECONDS)
-        workers = [w for model in supervisor.models() for w in model.replicas.workers if w.alive]
+        # A pack serves several models: measured once. dict keeps the order and drops repeats.
+        workers = list({w: None for model in supervisor.models() for w in model.replicas.workers if w.alive})
         try:
             sizes = await asyncio.to_thread(memory.uss_each, [w.pid for w in workers])
         except Exception:  # an unexpected error from /proc must not end the watch for good

@@ -176,3 +176,12 @@ def test_inspect_workers_shows_each_pack_with_its_models_and_their_sizes():
         assert 0 < shown_sizes["m0"] <= sizes["m0"]
         shown = subprocess.run(command, capture_output=True, text=True).stdout
         assert all(f"- m{i} " in shown for i in range(3)), shown
+
+
+def test_the_replicas_of_a_packed_model_go_to_different_packs():
+    with packed(MODEL_REPLICAS="2") as rt:
+        size = rt.load("twice", rt.model_dir("twice")).sizeInBytes
+        assert len(pack_pids(rt)) == 2, "one replica per pack"
+        assert size > 0 and answers(rt, "twice")
+        rt.unload("twice")
+        assert not pack_pids(rt)
