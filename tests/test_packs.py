@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import urllib.request
 
 import grpc
@@ -185,3 +186,30 @@ def test_the_replicas_of_a_packed_model_go_to_different_packs():
         assert size > 0 and answers(rt, "twice")
         rt.unload("twice")
         assert not pack_pids(rt)
+
+
+def test_calls_to_the_survivors_of_a_recycle_all_succeed():
+    with packed() as rt:
+        for model_id in ("a", "b"):
+            rt.load(model_id, rt.model_dir(model_id))
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        (old,) = pack_pids(rt)
+        outcomes: list[bool] = []
+        stop = threading.Event()
+
+        def call_the_survivors() -> None:
+            while not stop.is_set():
+                outcomes.extend(answers(rt, model_id) for model_id in ("a", "b"))
+
+        caller = threading.Thread(target=call_the_survivors)
+        caller.start()
+        try:
+            wait_until(lambda: len(outcomes) > 20, what="calls flowing")
+            rt.unload("leaky")
+            calls_before = len(outcomes)
+            wait_until(lambda: len(outcomes) > calls_before + 20, what="calls after the recycle")
+        finally:
+            stop.set()
+            caller.join()
+        assert old not in pack_pids(rt) and "recycling" in rt.log()
+        assert all(outcomes), f"{outcomes.count(False)} of {len(outcomes)} calls failed"
