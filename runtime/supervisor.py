@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import logging
 import time
 
@@ -35,6 +36,7 @@ from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
 from runtime.worker import KillCause, Worker
+from workers import formats
 
 log = logging.getLogger("mesh.supervisor")
 
@@ -96,10 +98,22 @@ class Supervisor:
         model_pids = {w.pid for m in self.models() for w in m.workers if w.pid is not None}
         in_packs = self.packs.unclaimed()
         model_pids |= {pid for pid, _ in in_packs if pid is not None}
-        overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs)
+        overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs) + self._open_packs_reserve()
         total = memory.container_memory(self.settings.container_mem_req_bytes)
         self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
         return self.capacity_bytes
+
+    def _open_packs_reserve(self) -> int:
+        """With packs, one pack per format may be open and not yet full: its base is only partly
+        in its models' sizes (runtime/packs.py), and model-mesh reads capacity once, so the base
+        of one such pack per installed format is held back. Blocking (reads /proc)."""
+        if self.settings.models_per_worker <= 1:
+            return 0
+        spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
+        installed = [
+            f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
+        ]
+        return spare * len(installed)
 
     # -- loading --------------------------------------------------------------------
 

@@ -213,3 +213,13 @@ def test_calls_to_the_survivors_of_a_recycle_all_succeed():
             caller.join()
         assert old not in pack_pids(rt) and "recycling" in rt.log()
         assert all(outcomes), f"{outcomes.count(False)} of {len(outcomes)} calls failed"
+
+
+def test_capacity_holds_back_the_base_of_one_open_pack_per_format():
+    memory = {"CONTAINER_MEM_REQ_BYTES": str(4096 * MiB), "WORKERS_WARM": "1"}
+    with Runtime(**memory) as alone:
+        without_packs = alone.status.capacityInBytes
+    with Runtime(**memory, MODELS_PER_WORKER="32") as rt:
+        with_packs = rt.status.capacityInBytes
+    # Six formats, a spare of about 4 MiB each: a pack not yet full is counted in capacity.
+    assert without_packs - with_packs > 15 * MiB, (without_packs, with_packs)
