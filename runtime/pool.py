@@ -1,31 +1,26 @@
 """Worker processes: the fork server, warm spares, spawning, killing and reaping.
 
-The pool is the only owner of the worker socket (runtime/channel.py) and the
-only place that changes a worker's state or kills one (`kill()`, with a
-KillCause that also names the metric label). What the rest of the front
-needs from workers it asks here: `take()` a spare, `send_load()`,
+The pool is the only owner of the worker socket (runtime/channel.py) and the only place that changes
+a worker's state or kills one (`kill()`, with a KillCause that also names the metric label). What
+the rest of the front needs from workers it asks here: `take()` a spare, `send_load()`,
 `submit_call()`, `kill()`.
 
-Every worker is forked by one of multiprocessing's fork servers, one per
-framework family and a base one (runtime/forkserver.py), which imported numpy,
-those frameworks and the worker code once (workers/preload.py), so a new
-worker starts in milliseconds with a few MiB of its own memory. For each fork
-server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py);
-`take()` hands out one of the model's fork server and a background refill
-forks the next.
+Every worker is forked by one of multiprocessing's fork servers, one per framework family and a base
+one (runtime/forkserver.py), which imported numpy, those frameworks and the worker code once
+(workers/preload.py), so a new worker starts in milliseconds with a few MiB of its own memory. For
+each fork server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py); `take()`
+hands out one of the model's fork server and a background refill forks the next.
 
-The pool also owns the beat file (runtime/beats.py): each worker gets a
-slot in it at spawn and gives it back when reaped; the heartbeat
-(runtime/heartbeat.py) reads the slots to find hung workers.
+The pool also owns the beat file (runtime/beats.py): each worker gets a slot in it at spawn and
+gives it back when reaped; the heartbeat (runtime/heartbeat.py) reads the slots to find hung
+workers.
 
-A worker's death is seen at once: the event loop watches its process
-sentinel (a pipe the fork server writes the exit code to once it has reaped
-the child), never a polling loop. `Worker.exited` resolves only then, so
-"await the kill" means "the memory is back in the OS".
+A worker's death is seen at once: the event loop watches its process sentinel (a pipe the fork
+server writes the exit code to once it has reaped the child), never a polling loop. `Worker.exited`
+resolves only then, so "await the kill" means "the memory is back in the OS".
 
-multiprocessing.Process objects are only touched from one thread, the
-spawner: starting a process talks to the fork server over a socket and
-blocks, which the event loop must not do.
+multiprocessing.Process objects are only touched from one thread, the spawner: starting a process
+talks to the fork server over a socket and blocks, which the event loop must not do.
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -59,7 +55,8 @@ log = logging.getLogger("mesh.pool")
 # parent-death signal (workers/loop.py).
 FRONT_CHECK_SECONDS = 10.0
 SPAWN_TIMEOUT = 30.0
-SPAWN_RETRY_SECONDS = 1.0
+SPAWN_RETRY_SECONDS = 1.0  # after a failed start; doubled per failure in a row, up to the cap
+SPAWN_BACKOFF_CAP_SECONDS = 30.0
 
 
 class WorkerPool:
@@ -90,6 +87,7 @@ class WorkerPool:
         self._heartbeat: asyncio.Task | None = None
         self._heap = QuietTrimmer()
         self._closing = False
+        self._closed = asyncio.Event()  # set by close(): ends a spawn backoff at once
 
     # -- start and stop -------------------------------------------------------
 
@@ -108,6 +106,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Kills every worker, waits until each is reaped, stops the fork server."""
         self._closing = True
+        self._closed.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         # A spawn under way is let finish, not cancelled: cancelling it could
@@ -149,9 +148,7 @@ class WorkerPool:
     async def send_load(
         self, worker: Worker, model_id: str, format_name: str, path: str, pack: bool = False
     ) -> dict:
-        """Has a taken spare, or a serving pack, load a model; the reply header. SERVING once it
-        loaded. Raises PeerGone if the worker dies first.
-        """
+        """Has a taken spare, or a serving pack, load a model; the reply header (PeerGone if it dies)."""
         packing = pack and worker.packed and worker.state is WorkerState.SERVING
         if worker.state is not WorkerState.SPARE and not packing:  # died or was killed since taken
             raise PeerGone(worker.exited.result() if worker.exited.done() else None)
@@ -173,7 +170,7 @@ class WorkerPool:
         return await self._pack_operation(worker, protocol.OP_DROP, model_id=model_id)
 
     async def _pack_operation(self, worker: Worker, op: str, **fields) -> dict:
-        worker.pack_operations += 1
+        worker.pack_operations += 1  # its one thread is busy: not hung (runtime/heartbeat.py)
         try:
             reply, _ = await self.channel.request(worker.identity, op, **fields)
         finally:
@@ -193,10 +190,9 @@ class WorkerPool:
     ) -> asyncio.Future:
         """Sends one call; the future resolves to (reply header, payload frames) or raises PeerGone.
 
-        `on_end` runs once the worker is done with the call (answered or died),
-        whether or not anyone still waits for it; `on_overdue()` runs, and its
-        error ends the call, if it is still unanswered `overdue_after` seconds
-        later (see Channel.submit).
+        `on_end` runs once the worker is done with the call (answered or died), whether or not anyone
+        still waits; `on_overdue()` runs, and its error ends the call, if it is unanswered
+        `overdue_after` seconds later (see Channel.submit).
         """
         return self.channel.submit(
             worker.identity,
@@ -213,9 +209,8 @@ class WorkerPool:
     def kill(self, worker: Worker, cause: KillCause, reason: str, grace: float = 0.0) -> None:
         """Ends a worker, remembering why: the one place the front decides that a worker must go.
 
-        With a grace, SIGTERM first (a model's close() runs), SIGKILL after it.
-        The exit handling, status codes and metrics read the cause. A second
-        kill of a condemned worker only hurries it (SIGKILL), it keeps its cause.
+        With a grace, SIGTERM first (a model's close() runs), SIGKILL after it. The exit handling,
+        status codes and metrics read the cause. Killing a condemned worker again only hurries it.
         """
         if worker.state is WorkerState.EXITED:
             return
@@ -261,6 +256,7 @@ class WorkerPool:
 
     async def _refill(self) -> None:
         """Forks workers until every fork server's spares (plus anyone waiting for one) are covered."""
+        failures = 0
         while not self._closing:
             group = self._spares.group_short(self._starting)
             if group is None:
@@ -269,10 +265,15 @@ class WorkerPool:
                 self._make_room_for(group)
                 return
             try:
-                await self._spawn_one(group)
+                failures = 0 if await self._spawn_one(group) else failures + 1
             except Exception:
-                log.exception("could not start a worker; retrying in %.0f s", SPAWN_RETRY_SECONDS)
-                await asyncio.sleep(SPAWN_RETRY_SECONDS)
+                log.exception("could not start a worker of the %s fork server", group)
+                failures += 1
+            if failures:  # workers that die at start must not be forked again and again at once
+                delay = min(SPAWN_BACKOFF_CAP_SECONDS, SPAWN_RETRY_SECONDS * 2 ** (failures - 1))
+                log.error("%d workers in a row did not start; the next in %.0f s", failures, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closed.wait(), delay)
 
     def _spares_elsewhere(self, group: str) -> bool:
         """Spares of other fork servers, idle or starting: at the cap, room for one of `group`."""
@@ -280,13 +281,13 @@ class WorkerPool:
         return starting or self._spares.of_another(group) is not None
 
     def _make_room_for(self, group: str) -> None:
-        """At the cap, with a caller waiting for a spare of `group`: ends an idle one of another
-        fork server. Its reap refills again, and that forks the spare for `group`."""
+        """At the cap, with a caller waiting for one of `group`: ends an idle spare of another group."""
         other = self._spares.of_another(group) if self._spares.waiting(group) else None
         if other is not None:
             self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
 
-    async def _spawn_one(self, group: str) -> None:
+    async def _spawn_one(self, group: str) -> bool:
+        """Forks one worker of `group`'s fork server; whether it said hello."""
         identity = f"w{next(self._ids)}".encode()
         slot = self.beats.allocate()
         config = {
@@ -328,6 +329,7 @@ class WorkerPool:
                 self.kill(worker, KillCause.NO_HELLO, f"it did not say hello within {SPAWN_TIMEOUT:.0f} s")
             if worker.ready.done() and worker.state is WorkerState.STARTING:
                 self._spares.add(worker)
+            return worker.ready.done()
         finally:
             self._starting[group] -= 1
 
