@@ -81,9 +81,6 @@ class Packs:
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes
 
-    def all(self) -> list[Pack]:
-        return list(self._packs.values())
-
     def of(self, worker: Worker) -> Pack | None:
         return self._packs.get(worker)
 

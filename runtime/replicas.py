@@ -12,10 +12,10 @@ is refused with RESOURCE_EXHAUSTED (model-mesh retries elsewhere). Whenever
 room appears (a call ends, a healed replica joins) the line is served in
 order. `fail_line()` ends every wait when the model goes away.
 
-Room is counted per model: a pack (runtime/packs.py) serves several models,
-and each may hold its slots in it, so one model's burst does not lock its
-neighbours out of the pack (their calls queue in the pack's socket instead).
-The worker's own `in_flight` counts every model's calls.
+Room is counted per model (`Worker.calls`): a pack (runtime/packs.py) serves
+several models, and each may hold its slots in it, so one model's burst does
+not lock its neighbours out of the pack (their calls queue in the pack's
+socket instead). The worker's own `in_flight` counts every model's calls.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class ReplicaSet:
         self.slots = slots
         self.queue_max = queue_max
         self.workers: list[Worker] = []  # ready to serve
-        self._calls: collections.Counter[Worker] = collections.Counter()  # this model's, per worker
         self._line: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -64,22 +63,17 @@ class ReplicaSet:
         if worker in self.workers:
             self.workers.remove(worker)
 
-    def calls_on(self, worker: Worker) -> int:
-        """This model's calls that `worker` has not answered yet."""
-        return self._calls[worker]
-
     def _least_busy(self) -> Worker | None:
         best = None
         for worker in self.workers:
-            calls = self._calls[worker]
-            if calls < self.slots and worker.serving and (best is None or calls < self._calls[best]):
+            calls = worker.calls[self.model_id]
+            if calls < self.slots and worker.serving and (best is None or calls < best.calls[self.model_id]):
                 best = worker
         return best
 
     def _count_in(self, worker: Worker) -> None:
         worker.in_flight += 1
         worker.calls[self.model_id] += 1
-        self._calls[worker] += 1
 
     def try_acquire(self) -> Worker | None:
         """A replica with room, counted in, when nobody waits in line; else None."""
@@ -110,9 +104,8 @@ class ReplicaSet:
     def release(self, worker: Worker) -> None:
         worker.in_flight -= 1
         worker.calls[self.model_id] -= 1
-        self._calls[worker] -= 1
-        if not self._calls[worker]:
-            del self._calls[worker]
+        if not worker.calls[self.model_id]:
+            del worker.calls[self.model_id]
         self._serve_line()
 
     def _serve_line(self) -> None:
