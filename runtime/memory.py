@@ -39,6 +39,10 @@ PROCESS_BYTES = 64 * 1024
 # and pipes, their buffers, its records of the worker): charged to the model the
 # worker serves, and so left out of the front's own cost in overhead().
 FRONT_SHARE_BYTES = 64 * 1024
+# What the front holds for each model, whichever worker serves it (its records,
+# its metrics' series, its replica set): in FRONT_SHARE_BYTES for a model with
+# a worker of its own, charged on top to each model in a pack.
+FRONT_MODEL_BYTES = 8 * 1024
 
 # cgroup v2, then v1: the container's memory limit when one is set.
 _CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")

@@ -7,10 +7,14 @@ into a spare that becomes a new pack. Each replica goes into another pack.
 
 Every load into a pack and every drop from it runs alone (the pack's lock)
 and is measured from outside the process, before and after, kernel share
-included (runtime/memory.py). A model's size is what its load added, a
-small first-call charge, and its share of the pack's base (the spare's
-cost over MODELS_PER_WORKER): model-mesh reads capacity only once, at
-start, so a pack's base must be in the sizes of the models that fill it.
+included (runtime/memory.py). A new pack loads its first model twice, the
+first time dropped at once, and its base is what it costs then: the spare,
+and what a first load writes that later loads reuse. A model's size is what
+the pack grew by that no model is charged for yet (its load, and what the
+calls since the last load added; at least PACKED_MODEL_MIN_BYTES), its share
+of the base (over MODELS_PER_WORKER) and what the front holds for it:
+model-mesh reads capacity only once, at start, so a pack's base must be in
+the sizes of the models that fill it.
 What the drop gave back is checked against what the load added. A pack that did not shrink by that, less
 RECYCLE_SLACK_BYTES, is recycled before the unload returns:
 a fresh worker loads the survivors, their calls move to it (calls already
@@ -45,11 +49,9 @@ log = logging.getLogger("mesh.packs")
 # that stay partly used by the survivors, allocator bookkeeping.
 RECYCLE_SLACK_BYTES = 128 * 1024
 # The least a packed model's load is charged: a load that reused heap the
-# pack had freed grows it by less than the model holds.
-PACKED_MODEL_MIN_BYTES = 32 * 1024
-# What a packed model's first calls add: its pack runs the call path already
-# (docs/density.md has the measurement), so far less than a fresh worker's.
-PACKED_FIRST_CALLS_BYTES = 16 * 1024
+# pack had freed grows it by less than the model holds. What one model is
+# charged beyond its growth is credit that the next loads' growth uses up.
+PACKED_MODEL_MIN_BYTES = 8 * 1024
 # How long a recycled pack may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
 
@@ -60,12 +62,12 @@ class Pack:
         self.format_name = format_name  # a pack holds models of one format
         self.members: dict[str, Model] = {}  # placed here: loading or loaded
         self.charged: dict[str, int] = {}  # loaded: model id -> its reported size
+        self.growth_charged: dict[str, int] = {}  # loaded: model id -> the part of its size not base
         self.grown: dict[str, int] = {}  # loaded: model id -> what its load added, measured
         self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
         self.open = True  # takes new models; False once it is recycled, emptied or dead
         self.abandoned = False  # a load was given up while the pack may still run it
-        self.base_bytes = 0  # what it cost before its first model, its share of the front included
-        self.first_use_counted = False  # _count_first_use() ran
+        self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
 
 
 class Packs:
@@ -89,8 +91,11 @@ class Packs:
         return sum(pack.charged.get(model.model_id, 0) for pack in self._packs.values())
 
     def unclaimed(self) -> list[tuple[int | None, int]]:
-        """(pid, bytes its models are charged) of each pack: capacity counts the rest."""
-        return [(pack.worker.pid, sum(pack.charged.values())) for pack in self._packs.values()]
+        """(pid, bytes of it its models are charged) of each pack: capacity counts the rest."""
+        return [
+            (pack.worker.pid, sum(pack.charged.values()) - memory.FRONT_MODEL_BYTES * len(pack.charged))
+            for pack in self._packs.values()
+        ]
 
     # -- loading ----------------------------------------------------------------------
 
@@ -131,49 +136,69 @@ class Packs:
 
     async def _load_into(self, pack: Pack, model: Model) -> tuple[dict, int]:
         """Holding the pack's lock: load, measured from outside before and after."""
-        worker, spec = pack.worker, model.spec
-        before = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        worker = pack.worker
         if not pack.base_bytes:
-            pack.base_bytes = before + memory.FRONT_SHARE_BYTES
-        try:
-            reply = await self.pool.send_load(worker, model.model_id, spec.format.name, spec.path, pack=True)
-        except asyncio.CancelledError:
-            pack.abandoned = True  # the worker may still be loading it
-            raise
+            reply = await self._rehearse(pack, model)
+            if not reply["ok"]:
+                return await self._failed(pack, model, reply, left=0)
+        before = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        reply = await self._send_load(pack, model)
         if reply["ok"]:
             # Charged at once: a drop must follow even if the measuring is cancelled.
             pack.charged[model.model_id] = PACKED_MODEL_MIN_BYTES
         after = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        if not reply["ok"]:
+            return await self._failed(pack, model, reply, left=after - before)
+        pack.grown[model.model_id] = max(0, after - before)
+        return reply, self._charge(pack, model.model_id, after)
+
+    async def _rehearse(self, pack: Pack, model: Model) -> dict:
+        """A new pack loads its first model once and drops it before the load that counts.
+
+        What a pack's first load writes that later loads reuse (imports, caches,
+        pages copied from the fork server) is so in the base, measured after, and
+        not in the first model's size. The reply of the rehearsal load.
+        """
+        reply = await self._send_load(pack, model)
         if reply["ok"]:
-            pack.grown[model.model_id] = max(0, after - before)
-            self._count_first_use(pack)
-            base_share = pack.base_bytes // self.settings.models_per_worker
-            size = max(after - before, PACKED_MODEL_MIN_BYTES) + PACKED_FIRST_CALLS_BYTES + base_share
-            pack.charged[model.model_id] = size
-            return reply, size
+            await self.pool.send_drop(pack.worker, model.model_id)
+            cost = await asyncio.to_thread(memory.cost_or_zero, pack.worker.pid)
+            pack.base_bytes = cost + memory.FRONT_SHARE_BYTES
+        return reply
+
+    async def _send_load(self, pack: Pack, model: Model) -> dict:
+        model_id, spec = model.model_id, model.spec
+        try:
+            return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
+        except asyncio.CancelledError:
+            pack.abandoned = True  # the worker may still be loading it
+            raise
+
+    async def _failed(self, pack: Pack, model: Model, reply: dict, left: int) -> tuple[dict, int]:
+        """A load the pack refused: the pack ends if it holds nothing, or is recycled if the load
+        left `left` bytes behind; (the reply, 0 bytes charged)."""
         pack.members.pop(model.model_id, None)
-        worker.models.discard(model.model_id)
+        pack.worker.models.discard(model.model_id)
         if not pack.charged:
             await self._end(pack, f"its first load ({model.model_id}) failed")
-        elif after - before > RECYCLE_SLACK_BYTES:
-            await self._recycle(pack, f"the failed load of {model.model_id} left {after - before} bytes")
+        elif left > RECYCLE_SLACK_BYTES:
+            await self._recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
         return reply, 0
 
-    @staticmethod
-    def _count_first_use(pack: Pack) -> None:
-        """Once a second model is in, what the first load added beyond the second's was the pack's
-        first-use cost (imports, caches later loads reuse): it moves from the first model's size to
-        the pack's base, and a drop of the first model is not expected to give it back."""
-        if len(pack.grown) != 2 or pack.first_use_counted:
-            return
-        first, second = pack.grown
-        first_use = pack.grown[first] - pack.grown[second]
-        pack.first_use_counted = True
-        if first_use <= 0:
-            return
-        pack.grown[first] -= first_use
-        pack.charged[first] = max(PACKED_MODEL_MIN_BYTES, pack.charged[first] - first_use)
-        pack.base_bytes += first_use
+    def _charge(self, pack: Pack, model_id: str, measured: int) -> int:
+        """The model's size, now that the pack costs `measured`: what no model is charged for yet (at
+        least PACKED_MODEL_MIN_BYTES), its share of the base, and what the front holds for it.
+
+        So the sizes of a pack's models add up to at least what it grew by, and a load that only
+        refilled heap freed before is not charged that heap a second time.
+        """
+        others = sum(charge for other, charge in pack.growth_charged.items() if other != model_id)
+        uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
+        growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
+        size = growth + pack.base_bytes // self.settings.models_per_worker + memory.FRONT_MODEL_BYTES
+        pack.growth_charged[model_id] = growth
+        pack.charged[model_id] = size
+        return size
 
     # -- unloading --------------------------------------------------------------------
 
@@ -198,6 +223,7 @@ class Packs:
         model_id = model.model_id
         del pack.members[model_id]
         charged = pack.charged.pop(model_id, None)
+        pack.growth_charged.pop(model_id, None)
         grown = pack.grown.pop(model_id, 0)
         if not pack.charged and not pack.members:
             await self._end(pack, f"its last model ({model_id}) is unloaded")
@@ -290,6 +316,7 @@ class Packs:
         models = list(pack.members.values())
         pack.members.clear()
         pack.charged.clear()
+        pack.growth_charged.clear()
         return models
 
 

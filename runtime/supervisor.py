@@ -43,6 +43,9 @@ log = logging.getLogger("mesh.supervisor")
 # How long a worker may take to run its model's close() on unload before SIGKILL.
 UNLOAD_GRACE_SECONDS = 2.0
 LOAD_OUTCOMES = {"DEADLINE_EXCEEDED": "timeout", "CANCELLED": "cancelled"}
+# What a pack's base costs, in spares: the spare it was, and what its first load wrote that
+# later loads reuse, measured at half a spare to 0.6 of one (docs/density.md), rounded up.
+PACK_BASE_PER_SPARE = 2
 
 
 def _caller_cancelled() -> bool:
@@ -106,10 +109,12 @@ class Supervisor:
     def _open_packs_reserve(self) -> int:
         """With packs, one pack per format may be open and not yet full: its base is only partly
         in its models' sizes (runtime/packs.py), and model-mesh reads capacity once, so the base
-        of one such pack per installed format is held back. Blocking (reads /proc)."""
+        of one such pack per installed format is held back. A base is a spare and what the
+        pack's first load wrote: PACK_BASE_PER_SPARE spares' cost. Blocking (reads /proc)."""
         if self.settings.models_per_worker <= 1:
             return 0
         spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
+        spare *= PACK_BASE_PER_SPARE
         installed = [
             f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
         ]
