@@ -11,9 +11,8 @@ one (runtime/forkserver.py), which imported numpy, those frameworks and the work
 each fork server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py); `take()`
 hands out one of the model's fork server and a background refill forks the next.
 
-The pool also owns the beat file (runtime/beats.py): each worker gets a slot in it at spawn and
-gives it back when reaped; the heartbeat (runtime/heartbeat.py) reads the slots to find hung
-workers.
+The pool also owns the beat file (runtime/beats.py): a worker has a slot in it from spawn until
+reaped, which the heartbeat (runtime/heartbeat.py) reads to find hung workers.
 
 A worker's death is seen at once: the event loop watches its process sentinel (a pipe the fork
 server writes the exit code to once it has reaped the child), never a polling loop. `Worker.exited`
@@ -50,9 +49,8 @@ from workers import protocol
 
 log = logging.getLogger("mesh.pool")
 
-# A worker that cannot watch the front through a pidfd checks this often that
-# the front still runs, and exits once it is gone: a backstop behind the
-# parent-death signal (workers/loop.py).
+# A worker that cannot watch the front through a pidfd checks this often that the front
+# still runs, and exits once it is gone: a backstop behind the parent-death signal.
 FRONT_CHECK_SECONDS = 10.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0  # after a failed start; doubled per failure in a row, up to the cap
@@ -99,7 +97,9 @@ class WorkerPool:
         self.channel.start()
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
-        await self._refill()
+        # A stop before the spares are ready cancels only this wait; close() awaits the refill.
+        self._refill_task = self._background(self._refill(), "refill")
+        await asyncio.shield(self._refill_task)
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self.spares()))
 

@@ -271,10 +271,10 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     exit_code = 0
     admin = AdminServer(supervisor, settings)
     try:
-        await supervisor.start()
-        admin.start()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        await stop.wait()
+        if await _started_before_stop(supervisor, stop):
+            admin.start()
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            await stop.wait()
         log.info("stopping: no new calls, %.1f s for those under way", settings.shutdown_grace_ms / 1000)
     except Exception:
         log.exception("the worker pool failed; stopping")
@@ -286,3 +286,19 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     rundir.remove(settings.runtime_dir)
     log.info("stopped; every worker reaped")
     return exit_code
+
+
+async def _started_before_stop(supervisor: Supervisor, stop: asyncio.Event) -> bool:
+    """Starts the supervisor; False if `stop` is set first (a pool whose workers cannot start
+    would otherwise keep a SIGTERM waiting). Raises what starting raised."""
+    starting = asyncio.create_task(supervisor.start(), name="start")
+    stopping = asyncio.create_task(stop.wait(), name="stop")
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    log.warning("stopped before the worker pool was ready")
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)
+    return False
