@@ -101,6 +101,26 @@ def cost(pid: int) -> int:
     return uss(pid) + kernel_share(pid)
 
 
+def anonymous(pid: int | None) -> int:
+    """Anonymous resident bytes and page tables of process `pid` (0 if it is gone or not started).
+
+    What a load into a pack adds and a drop gives back is heap: this sees it
+    as cost() does, from /proc/PID/status alone, whose counters the kernel
+    keeps: microseconds, and no lock the process holds, so the event loop
+    may read it, where cost() walks every mapping. It does not see pages
+    copied from the fork server on write, which a drop never gives back, so
+    it serves for differences between two moments, not for sizes.
+    """
+    if pid is None:
+        return 0
+    try:
+        status = _proc_file(pid, "status")
+    except psutil.Error:
+        return 0
+    fields = (b"RssAnon:", b"VmPTE:")
+    return 1024 * sum(int(line.split()[1]) for line in status.splitlines() if line.startswith(fields))
+
+
 def cost_or_zero(pid: int | None) -> int:
     """cost(), or 0 for a process that is gone, not ours or not started: none of our memory is in it."""
     if pid is None:

@@ -141,16 +141,17 @@ class Packs:
             reply = await self._rehearse(pack, model)
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
-        before = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        before = memory.anonymous(worker.pid)
         reply = await self._send_load(pack, model)
         if reply["ok"]:
             # Charged at once: a drop must follow even if the measuring is cancelled.
             pack.charged[model.model_id] = PACKED_MODEL_MIN_BYTES
-        after = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        added = memory.anonymous(worker.pid) - before
         if not reply["ok"]:
-            return await self._failed(pack, model, reply, left=after - before)
-        pack.grown[model.model_id] = max(0, after - before)
-        return reply, self._charge(pack, model.model_id, after)
+            return await self._failed(pack, model, reply, left=added)
+        pack.grown[model.model_id] = max(0, added)
+        measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        return reply, self._charge(pack, model.model_id, measured)
 
     async def _rehearse(self, pack: Pack, model: Model) -> dict:
         """A new pack loads its first model once and drops it before the load that counts.
@@ -234,13 +235,12 @@ class Packs:
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
         worker = pack.worker
-        before = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        before = memory.anonymous(worker.pid)
         try:
             await self.pool.send_drop(worker, model_id)
         except PeerGone:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
-        after = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
-        freed = before - after
+        freed = before - memory.anonymous(worker.pid)
         if freed + RECYCLE_SLACK_BYTES < grown:
             await self._recycle(pack, f"dropping {model_id} gave back {freed} of the {grown} bytes it added")
 

@@ -1,7 +1,8 @@
 """What runtime/packs.py charges packed models, with the pack's measurements scripted.
 
 No process runs here: the pool hands out one stand-in worker and answers every
-load, and memory.cost_or_zero() reads the pack's cost from a script, so that
+load, and memory.cost_or_zero() and memory.anonymous() read the pack's cost
+from a script, so that
 each figure below is exact.
 """
 
@@ -39,6 +40,7 @@ class ScriptedPool:
         self.adds = adds
         self.loads = 0
         monkeypatch.setattr(memory, "cost_or_zero", lambda pid: self.cost)
+        monkeypatch.setattr(memory, "anonymous", lambda pid: self.cost)
 
     async def take(self, format_name):
         return self.worker
