@@ -59,7 +59,7 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
     @status.translated
     async def predictModelSize(self, request, context):
         spec = await asyncio.to_thread(self._resolve, request)
-        return pb.PredictModelSizeResponse(sizeInBytes=modelspec.predicted_size(spec, self.settings))
+        return pb.PredictModelSizeResponse(sizeInBytes=self.supervisor.predicted_size(spec))
 
     @status.translated
     async def modelSize(self, request, context):

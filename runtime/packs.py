@@ -52,6 +52,11 @@ RECYCLE_SLACK_BYTES = 128 * 1024
 # pack had freed grows it by less than the model holds. What one model is
 # charged beyond its growth is credit that the next loads' growth uses up.
 PACKED_MODEL_MIN_BYTES = 8 * 1024
+# The least a model is predicted to add to its pack before it is loaded: above what tiny
+# models were measured to add (docs/density.md), so that predictModelSize stays conservative.
+PACKED_PREDICTION_MIN_BYTES = 256 * 1024
+# A pack's base, predicted in floors of its format before any pack of it has measured one.
+PREDICTED_BASE_PER_FLOOR = 2
 # How long a recycled pack may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
 
@@ -82,6 +87,16 @@ class Packs:
         """Whether the model goes into a pack."""
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes
+
+    def predicted_size(self, spec: ModelSpec) -> int:
+        """A conservative size for one copy of a model that will go into a pack: what its load
+        may add, its share of a base (the largest its format's packs measured, else
+        PREDICTED_BASE_PER_FLOOR floors of the format), and what the front holds for it."""
+        format_name = spec.format.name
+        bases = [p.base_bytes for p in self._packs.values() if p.format_name == format_name]
+        base = max(bases, default=0) or spec.format.size_floor * PREDICTED_BASE_PER_FLOOR
+        load = max(int(spec.disk_bytes * self.settings.modelsize_multiplier), PACKED_PREDICTION_MIN_BYTES)
+        return load + base // self.settings.models_per_worker + memory.FRONT_MODEL_BYTES
 
     def of(self, worker: Worker) -> Pack | None:
         return self._packs.get(worker)

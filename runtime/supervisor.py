@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import time
 
-from runtime import memory, status
+from runtime import memory, modelspec, status
 from runtime.channel import PeerGone
 from runtime.healing import Healer
 from runtime.metrics import Metrics
@@ -119,6 +119,12 @@ class Supervisor:
             f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
         ]
         return spare * len(installed)
+
+    def predicted_size(self, spec: ModelSpec) -> int:
+        """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
+        if self.packs.accepts(spec):
+            return self.packs.predicted_size(spec) * self.settings.model_replicas
+        return modelspec.predicted_size(spec, self.settings)
 
     # -- loading --------------------------------------------------------------------
 

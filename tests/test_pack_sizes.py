@@ -108,3 +108,24 @@ def test_the_sizes_of_a_full_pack_add_up_to_what_it_costs(monkeypatch):
     assert whole - PER_PACK <= sum(sizes.values()) <= whole  # the base's shares round down
     # The first load ran twice, so its first-use cost is in the base, not in the first model's size.
     assert growth_parts(sizes)["a"] == 20 * KiB
+
+
+def test_the_predicted_size_of_a_packed_model_covers_what_it_is_then_charged(monkeypatch):
+    settings = Settings.from_env({"MODELS_PER_WORKER": str(PER_PACK)})
+    pool = ScriptedPool(monkeypatch, adds={"a": 20 * KiB, "b": 200 * KiB})
+    pack_set = packs.Packs(settings, pool)
+    spec = model("a").spec
+    spec.disk_bytes, spec.format.size_floor = 2 * KiB, 8000 * KiB
+
+    async def run():
+        first_guess = pack_set.predicted_size(spec)  # no pack measured yet: floors of the format
+        charged_a = (await pack_set.load(model("a"), []))[2]
+        second_guess = pack_set.predicted_size(spec)  # from the base the pack measured
+        charged_b = (await pack_set.load(model("b"), []))[2]
+        return first_guess, charged_a, second_guess, charged_b
+
+    first_guess, charged_a, second_guess, charged_b = asyncio.run(run())
+    assert first_guess >= charged_a and second_guess >= charged_b
+    assert second_guess == packs.PACKED_PREDICTION_MIN_BYTES + base_share() + memory.FRONT_MODEL_BYTES
+    floors = packs.PREDICTED_BASE_PER_FLOOR * 8000 * KiB
+    assert first_guess == packs.PACKED_PREDICTION_MIN_BYTES + floors // PER_PACK + memory.FRONT_MODEL_BYTES

@@ -18,6 +18,10 @@ import psutil
 import pytest
 from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, free_port, wait_until
 
+from protos import model_runtime_pb2 as mm
+
+PYTHON_KEY = json.dumps({"model_type": {"name": "python"}})
+
 # A model that keeps memory after it is dropped: its load parks 8 MiB in a
 # module that outlives it (numpy), so the pack cannot shrink when it goes.
 LEAKY_MODEL = """
@@ -67,13 +71,24 @@ def answers(rt: Runtime, model_id: str) -> bool:
     return list(rt.infer_fp32(model_id, [2.5]).outputs[0].contents.fp32_contents) == [2.5]
 
 
+def predicted_size(rt: Runtime, model_id: str) -> int:
+    path = rt.model_dir(model_id)
+    request = mm.PredictModelSizeRequest(modelId=model_id, modelPath=path, modelKey=PYTHON_KEY)
+    return rt.mesh.predictModelSize(request, timeout=0.5).sizeInBytes
+
+
 def pack_pids(rt: Runtime) -> set[int]:
     return {p.pid for p in alive(rt.packs())}
 
 
 def test_small_models_share_packs_each_answers_and_unloading_all_ends_them():
     with packed() as rt:
+        first_guess = predicted_size(rt, "m0")
         sizes = [rt.load(f"m{i}", rt.model_dir(f"m{i}")).sizeInBytes for i in range(6)]
+        # Predicted as packed models, conservatively: below a worker of its own (the floor, 8 MiB),
+        # and once a pack has measured its base, close to what a packed model costs.
+        assert sizes[0] <= first_guess < 8 * MiB, (sizes, first_guess)
+        assert max(sizes) <= predicted_size(rt, "m6") < 2 * MiB, sizes
         assert len(pack_pids(rt)) == 2, "six models, four per pack"
         assert rt.model_workers() == 0, "no model has a worker of its own"
         assert all(answers(rt, f"m{i}") for i in range(6))
