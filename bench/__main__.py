@@ -127,8 +127,9 @@ def main() -> int:
     parser.add_argument(
         "--models-per-worker",
         type=int,
-        default=1,
-        help="scale: run mesh-runtime with MODELS_PER_WORKER set to this (packs; default 1)",
+        default=None,
+        help="scale: run mesh-runtime with MODELS_PER_WORKER set to this (1: a worker per model; "
+        "default: the product's default)",
     )
     parser.add_argument(
         "--rounds",

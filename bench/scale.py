@@ -10,7 +10,9 @@ them out) are loaded two at a time, as model-mesh does, in steps (default
 - growth per model: (usage now - usage before the first load) / N;
 - reported / growth: the sum of the sizeInBytes that loadModel returned over
   that growth (model-mesh packs the pod by those sizes: below 1.00 it
-  over-commits);
+  over-commits); and the same with what capacityInBytes held back at start
+  for packs not yet full, whose base their models' sizes do not yet cover
+  (model-mesh fills the pod up to capacity: below 1.00 it over-commits);
 - loadModel p50/p99 of that step's loads, and the first ModelInfer of each
   freshly loaded model (called right after its load, as traffic arrives);
 - ModelInfer p50/p99 over sequential calls, each to a random loaded model;
@@ -19,7 +21,7 @@ them out) are loaded two at a time, as model-mesh does, in steps (default
 - processes in the tree and the descriptors the front holds open.
 
 Once 500 models are loaded (or at the last step, if fewer are asked for), a
-tenth of the model workers are SIGKILLed under traffic (bench/scale_faults.py).
+tenth of the model workers (or packs) are SIGKILLed under traffic (bench/scale_faults.py).
 Then every model is unloaded, two at a time; the time that takes until every
 model's worker is reaped, and the memory left above the start.
 
@@ -42,6 +44,7 @@ from bench import scale_faults
 from bench.common import REPO, MiB, percentile, progress
 from bench.scale_servers import MeshRuntime, MLServerRepository, ScaleServer
 from meshtest import cgroup, harness
+from runtime.settings import Settings
 
 STEPS = (50, 200, 500, 1000)
 LOADERS = 2  # model-mesh loads two models at a time per runtime by default
@@ -128,7 +131,9 @@ def load_step(server: ScaleServer, indexes: list[int]) -> tuple[list[float], lis
     return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
 
 
-def measure_step(server: ScaleServer, meter: cgroup.Meter, base: int, loaded: int, reported: int) -> dict:
+def measure_step(
+    server: ScaleServer, meter: cgroup.Meter, base: int, loaded: int, reported: int, held: int
+) -> dict:
     server.wait_settled()
     usage = meter.settled_usage()
     growth = usage - base
@@ -140,6 +145,7 @@ def measure_step(server: ScaleServer, meter: cgroup.Meter, base: int, loaded: in
         "reported_bytes": reported,
         # None: nothing to compare (a server that reports no sizes, or no growth seen)
         "reported_over_growth": reported / growth if growth > 0 and reported else None,
+        "with_held_back_over_growth": (reported + held) / growth if growth > 0 and reported else None,
         "infer_p50_ms": percentile(calls, 50),
         "infer_p99_ms": percentile(calls, 99),
         "idle_cpu_percent": idle_cpu_percent(server.root_pid(), IDLE_SECONDS),
@@ -165,14 +171,15 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
     """Every step on one started server; a step that fails ends the run with what was measured."""
     server.wait_settled()
     base = meter.settled_usage()
-    figures: dict = {"method": meter.method, "base_bytes": base, "steps": []}
+    held = server.held_back()  # read once, at start, as model-mesh reads capacity
+    figures: dict = {"method": meter.method, "base_bytes": base, "held_back_bytes": held, "steps": []}
     loaded, reported = 0, 0
     try:
         for target in steps:
             progress(f"{server.name}: loading models {loaded}..{target - 1}")
             load_ms, first_ms, added, wall = load_step(server, list(range(loaded, target)))
             loaded, reported = target, reported + added
-            step = measure_step(server, meter, base, loaded, reported)
+            step = measure_step(server, meter, base, loaded, reported, held)
             step.update(
                 load_p50_ms=percentile(load_ms, 50),
                 load_p99_ms=percentile(load_ms, 99),
@@ -182,7 +189,7 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
             figures["steps"].append(step)
             print_step(server.name, step)
             if wants_faults(server, figures, loaded, steps):
-                figures["faults"] = scale_faults.run_faults(server, meter, base, loaded)
+                figures["faults"] = scale_faults.run_faults(server, meter, base, loaded, held)
                 print(f"  {server.name} {scale_faults.describe(figures['faults'])}", file=sys.stderr)
         progress(f"{server.name}: unloading all {loaded}")
         figures.update(unload_all(server, meter, base, loaded))
@@ -194,7 +201,7 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
 
 def wants_faults(server: ScaleServer, figures: dict, loaded: int, steps: tuple[int, ...]) -> bool:
     """The faults phase runs once, on mesh-runtime, at FAULTS_AT models or at the last step below it."""
-    if not isinstance(server, MeshRuntime) or server.packed or "faults" in figures:
+    if not isinstance(server, MeshRuntime) or "faults" in figures:
         return False
     return loaded >= scale_faults.FAULTS_AT or loaded == max(steps)
 
@@ -211,12 +218,16 @@ def print_step(name: str, s: dict) -> None:
 
 
 def run(
-    fmt: str = "python", steps: tuple[int, ...] = STEPS, peer: str | None = None, models_per_worker: int = 1
+    fmt: str = "python",
+    steps: tuple[int, ...] = STEPS,
+    peer: str | None = None,
+    models_per_worker: int | None = None,
 ) -> dict:
     """The whole scale benchmark: mesh-runtime with `fmt` models, then the peer with sklearn ones.
 
-    models_per_worker > 1 runs mesh-runtime with packs (MODELS_PER_WORKER); the faults phase,
-    which kills the workers of chosen models, is left out then."""
+    models_per_worker: mesh-runtime's MODELS_PER_WORKER (None: the product's default)."""
+    if models_per_worker is None:
+        models_per_worker = Settings.from_env({}).models_per_worker
     figures: dict = {"format": fmt, "steps_wanted": list(steps), "models_per_worker": models_per_worker}
     folder = tempfile.mkdtemp(prefix="mr-scale-")
     try:
@@ -238,6 +249,10 @@ def run(
     return figures
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def print_report(figures: dict) -> None:
     """One table: a column per system and step."""
     columns = [
@@ -253,7 +268,11 @@ def print_report(figures: dict) -> None:
         ("growth per model, MiB", lambda s: f"{s['growth_per_model_mib']:.2f}"),
         (
             "reported / growth",
-            lambda s: "-" if s["reported_over_growth"] is None else f"{s['reported_over_growth']:.2f}",
+            lambda s: _ratio(s["reported_over_growth"]),
+        ),
+        (
+            "(reported + held back for open packs) / growth",
+            lambda s: _ratio(s["with_held_back_over_growth"]),
         ),
         ("loadModel p50 / p99, ms", lambda s: f"{s['load_p50_ms']:.1f} / {s['load_p99_ms']:.1f}"),
         ("first call p50, ms", lambda s: f"{s['first_call_p50_ms']:.1f}"),

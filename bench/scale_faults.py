@@ -33,11 +33,17 @@ HEAL_TIMEOUT_S = 120.0
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
 
 
-def run_faults(server: MeshRuntime, meter: cgroup.Meter, base: int, loaded: int) -> dict:
-    """Kills a tenth of the model workers under traffic; what every call answered, and the healing."""
+def run_faults(server: MeshRuntime, meter: cgroup.Meter, base: int, loaded: int, held: int) -> dict:
+    """Kills a tenth of the model workers (or packs) under traffic; what every call answered, and
+    the healing."""
     pids = server.worker_pids()
-    victims = random.sample(sorted(pids), max(1, round(len(pids) * KILLED_SHARE)))
-    progress(f"{server.name}: SIGKILL {len(victims)} of {loaded} model workers under traffic")
+    workers = sorted(set(pids.values()))
+    killed_pids = set(random.sample(workers, max(1, round(len(workers) * KILLED_SHARE))))
+    victims = {index: pid for index, pid in pids.items() if pid in killed_pids}
+    progress(
+        f"{server.name}: SIGKILL {len(killed_pids)} of {len(workers)} model workers "
+        f"({len(victims)} of {loaded} models) under traffic"
+    )
     outcomes: list[tuple[grpc.StatusCode, float]] = []
     stop = threading.Event()
 
@@ -53,9 +59,9 @@ def run_faults(server: MeshRuntime, meter: cgroup.Meter, base: int, loaded: int)
     try:
         time.sleep(1.0)
         killed_at = time.monotonic()
-        for index in victims:
-            kill(pids[index])
-        heal_s = wait_healed(server, {index: pids[index] for index in victims}, killed_at)
+        for pid in killed_pids:
+            kill(pid)
+        heal_s = wait_healed(server, victims, killed_at)
         time.sleep(1.0)
     finally:
         stop.set()
@@ -64,11 +70,13 @@ def run_faults(server: MeshRuntime, meter: cgroup.Meter, base: int, loaded: int)
     answering_again = sum(server.try_infer(index, DEADLINE_S) is grpc.StatusCode.OK for index in victims)
     server.wait_settled()
     growth = meter.settled_usage() - base
+    reported = server.reported_now()
     codes = collections.Counter(code.name for code, _ in outcomes)
     slowest = max((seconds for _, seconds in outcomes), default=0.0)
     return {
         "models": loaded,
-        "killed": len(victims),
+        "killed": len(killed_pids),
+        "models_killed": len(victims),
         "calls": len(outcomes),
         "codes": dict(codes),
         "unexpected_calls": sum(code not in ANSWERS for code, _ in outcomes),
@@ -76,7 +84,8 @@ def run_faults(server: MeshRuntime, meter: cgroup.Meter, base: int, loaded: int)
         "deadline_s": DEADLINE_S,
         "heal_s": heal_s,
         "answering_again": answering_again,
-        "reported_over_growth": server.reported_now() / growth if growth > 0 else None,
+        "reported_over_growth": reported / growth if growth > 0 else None,
+        "with_held_back_over_growth": (reported + held) / growth if growth > 0 else None,
     }
 
 
@@ -101,12 +110,14 @@ def wait_healed(server: MeshRuntime, killed: dict[int, int], since: float) -> fl
 def describe(faults: dict) -> str:
     """One line for the report."""
     codes = ", ".join(f"{name} {count}" for name, count in sorted(faults["codes"].items()))
-    ratio = faults["reported_over_growth"]
+    ratio, held = faults["reported_over_growth"], faults["with_held_back_over_growth"]
     return (
-        f"faults at N={faults['models']}: {faults['killed']} workers SIGKILLed under {CALLERS} callers; "
+        f"faults at N={faults['models']}: {faults['killed']} workers ({faults['models_killed']} models) "
+        f"SIGKILLed under {CALLERS} callers; "
         f"{faults['calls']} calls ({codes}), {faults['unexpected_calls']} other; "
         f"slowest {faults['slowest_call_s']:.2f} s (deadline {faults['deadline_s']:.0f} s); "
-        f"all {faults['killed']} healed in {faults['heal_s']:.1f} s, "
+        f"all {faults['models_killed']} healed in {faults['heal_s']:.1f} s, "
         f"{faults['answering_again']} answering again; "
         f"reported / growth after healing {'-' if ratio is None else f'{ratio:.2f}'}"
+        f" ({'-' if held is None else f'{held:.2f}'} with what capacity holds back for open packs)"
     )

@@ -25,6 +25,7 @@ from meshtest import cgroup, harness
 from protos import grpc_predict_v2_pb2 as pb
 from protos import grpc_predict_v2_pb2_grpc as pb_grpc
 from protos import model_runtime_pb2 as mm
+from runtime.admin import cli as admin
 
 WARM = 2  # the product's WORKERS_WARM
 SAMPLE = [[5.1, 3.5, 1.4, 0.2], [6.7, 3.0, 5.2, 2.3]]
@@ -50,6 +51,7 @@ class ScaleServer(Protocol):
     def wait_settled(self) -> None: ...
     def wait_unloaded(self) -> None: ...
     def root_pid(self) -> int: ...
+    def held_back(self) -> int: ...
     def front_fds(self) -> int: ...
 
 
@@ -105,7 +107,10 @@ class MeshRuntime:
         )
 
     def worker_pids(self) -> dict[int, int]:
-        """The pid serving each loaded model, by index, read from the workers' titles."""
+        """The pid serving each loaded model, by index, read from the workers' titles; with packs,
+        whose titles name no model, asked of the front's admin socket as inspect-workers does."""
+        if self.packed:
+            return self._pids_from_admin()
         pids = {}
         for process in self.rt.workers():
             try:
@@ -116,6 +121,22 @@ class MeshRuntime:
                 if word.startswith("model=m") and word[len("model=m") :].isdigit():
                     pids[int(word[len("model=m") :])] = process.pid
         return pids
+
+    def _pids_from_admin(self) -> dict[int, int]:
+        pids = {}
+        rows = admin.ask(self.rt.env["RUNTIME_DIR"], "workers")
+        assert isinstance(rows, list), rows
+        for row in rows:
+            held = [m["model"] for m in row["models"]] if row["role"] == "pack" else [row["model"]]
+            pids.update({int(m[1:]): row["pid"] for m in held if m.startswith("m") and m[1:].isdigit()})
+        return pids
+
+    def held_back(self) -> int:
+        """What capacityInBytes holds back for packs not yet full (0 without packs): model-mesh
+        fills the pod up to capacity, so this counts with the sizes against what the pod grew by."""
+        pool = admin.ask(self.rt.env["RUNTIME_DIR"], "pool")
+        assert isinstance(pool, dict), pool
+        return pool["held_for_open_packs_bytes"]
 
     def reported_now(self) -> int:
         """The sum of what modelSize says of every loaded model now."""
@@ -222,6 +243,9 @@ class MLServerRepository:
 
     def unload(self, index: int) -> None:
         self._repository(index, "unload")
+
+    def held_back(self) -> int:
+        return 0  # it reports no sizes and holds nothing back
 
     def wait_settled(self) -> None:
         time.sleep(0.5)  # one process: nothing starts or ends in the background

@@ -177,6 +177,8 @@ class Runtime:
             "WORKERS_WARM": "1",
             "METRICS_PORT": "0",
             "LOG_LEVEL": "info",
+            # A worker per model, whose title names it (worker_for): tests of packs ask for them.
+            "MODELS_PER_WORKER": "1",
             **({} if preload_frameworks else {"WORKER_PRELOAD": "numpy"}),
             **env,
         }

@@ -101,12 +101,12 @@ class Supervisor:
         model_pids = {w.pid for m in self.models() for w in m.workers if w.pid is not None}
         in_packs = self.packs.unclaimed()
         model_pids |= {pid for pid, _ in in_packs if pid is not None}
-        overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs) + self._open_packs_reserve()
+        overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs) + self.open_packs_reserve()
         total = memory.container_memory(self.settings.container_mem_req_bytes)
         self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
         return self.capacity_bytes
 
-    def _open_packs_reserve(self) -> int:
+    def open_packs_reserve(self) -> int:
         """With packs, one pack per format may be open and not yet full: its base is only partly
         in its models' sizes (runtime/packs.py), and model-mesh reads capacity once, so the base
         of one such pack per installed format is held back. A base is a spare and what the

@@ -162,7 +162,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "MODELS_PER_WORKER",
         parse.whole_number,
-        1,
+        32,
         "small models one worker process (a pack) may hold; 1: every model has workers of its own",
         parse.at_least(1),
     ),

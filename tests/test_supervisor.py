@@ -65,7 +65,8 @@ class FakePool:
 
 
 def supervisor(**env) -> Supervisor:
-    settings = Settings.from_env({"LOADTIME_TIMEOUT": "500", **env})
+    # A worker per model: FakePool has no packs (tests/test_pack_sizes.py scripts those).
+    settings = Settings.from_env({"LOADTIME_TIMEOUT": "500", "MODELS_PER_WORKER": "1", **env})
     return Supervisor(settings, Metrics(), pool_factory=FakePool)
 
 

@@ -2,7 +2,8 @@
 
 Warm spares ready and wanted, worker processes and WORKERS_MAX, replicas and
 threads per model, and capacity: reported to model-mesh, used by loaded
-models (their measured USS), and free.
+models (their measured USS), and free; and what capacity holds back for
+packs not yet full, whose base their models' sizes do not yet cover.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 async def run(supervisor, args: list[str]) -> dict:
     settings = supervisor.settings
     capacity = await asyncio.to_thread(supervisor.capacity)
+    held_for_open_packs = await asyncio.to_thread(supervisor.open_packs_reserve)
     used = sum(m.size for m in supervisor.models())
     return {
         "spares": len(supervisor.pool.spares()),
@@ -25,4 +27,5 @@ async def run(supervisor, args: list[str]) -> dict:
         "capacity_bytes": capacity,
         "used_bytes": used,
         "free_bytes": max(0, capacity - used),
+        "held_for_open_packs_bytes": held_for_open_packs,
     }
