@@ -1,28 +1,29 @@
 """Packs: worker processes that each hold several small models.
 
-With MODELS_PER_WORKER > 1, a model whose predicted size without its
-format's floor (bytes on disk x MODELSIZE_MULTIPLIER) is below
-MODEL_PACK_MAX_BYTES goes into a pack of its fork server that has room, or
-into a spare that becomes a new pack. Each replica goes into another pack.
+With MODELS_PER_WORKER > 1 (the default), a model whose predicted size
+without its format's floor (bytes on disk x MODELSIZE_MULTIPLIER) is below
+MODEL_PACK_MAX_BYTES goes into the fullest pack of its format that has room,
+or into a spare that becomes a new pack. Each replica goes into another pack.
 
-Every load into a pack and every drop from it runs alone (the pack's lock)
-and is measured from outside the process, before and after, kernel share
-included (runtime/memory.py). A new pack loads its first model twice, the
-first time dropped at once, and its base is what it costs then: the spare,
-and what a first load writes that later loads reuse. A model's size is what
-the pack grew by that no model is charged for yet (its load, and what the
-calls since the last load added; at least PACKED_MODEL_MIN_BYTES), its share
-of the base (over MODELS_PER_WORKER) and what the front holds for it:
-model-mesh reads capacity only once, at start, so a pack's base must be in
-the sizes of the models that fill it.
-What the drop gave back is checked against what the load added. A pack that did not shrink by that, less
-RECYCLE_SLACK_BYTES, is recycled before the unload returns:
-a fresh worker loads the survivors, their calls move to it (calls already
-sent finish in the old one), and the old one is killed once it has
-answered them, and reaped. A load that was abandoned (cancelled, timed out:
-the pack may still be running it) ends the same way, and so does a failed
-load that left memory behind. What the pack costs beyond its models'
-sizes (a pack not yet full) is counted in capacity (`unclaimed()`).
+Every load into a pack and every drop from it runs alone (the pack's lock).
+A new pack loads its first model twice, the first time dropped at once, and
+its base is what it costs then, measured from outside with the kernel's
+share (runtime/memory.py): the spare, and what a first load writes that
+later loads reuse. A model's size is what the pack grew by that no model is
+charged for yet (its load, and what calls since the last load added; at
+least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER)
+and what the front holds for it: model-mesh reads capacity only once, at
+start, so a pack's base must be in the sizes of the models that fill it.
+What a pack costs beyond its models' sizes (one not yet full) is counted in
+capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
+
+What a load added and what a drop gave back are read from the pack's
+anonymous pages (memory.anonymous(), cheap). A pack that did not shrink by
+what the model's load added, less RECYCLE_SLACK_BYTES, is recycled before
+the unload returns, and so is one that may still run an abandoned load
+(cancelled, timed out) or a failed load that left memory behind; after an
+unload, a format's emptiest pack may be compacted into the others
+(runtime/repacking.py).
 
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the models that had calls
@@ -33,13 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
-from runtime import memory, status
+from runtime import memory
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
 from runtime.pool import WorkerPool
+from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker
 
@@ -57,8 +58,6 @@ PACKED_MODEL_MIN_BYTES = 8 * 1024
 PACKED_PREDICTION_MIN_BYTES = 256 * 1024
 # A pack's base, predicted in floors of its format before any pack of it has measured one.
 PREDICTED_BASE_PER_FLOOR = 2
-# How long a recycled pack may take to answer the calls already sent to it.
-DRAIN_SECONDS = 10.0
 
 
 class Pack:
@@ -73,15 +72,16 @@ class Pack:
         self.open = True  # takes new models; False once it is recycled, emptied or dead
         self.abandoned = False  # a load was given up while the pack may still run it
         self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
+        self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
 
 
 class Packs:
     def __init__(self, settings: Settings, pool: WorkerPool, on_recycle=None):
-        """on_recycle(seconds, models_moved) is told of every recycle (metrics)."""
+        """on_recycle(seconds, models_moved) is told of every recycle and compaction (metrics)."""
         self.settings = settings
         self.pool = pool
-        self._on_recycle = on_recycle
         self._packs: dict[Worker, Pack] = {}
+        self._repacker = Repacker(self, on_recycle)
 
     def accepts(self, spec: ModelSpec) -> bool:
         """Whether the model goes into a pack."""
@@ -93,13 +93,25 @@ class Packs:
         may add, its share of a base (the largest its format's packs measured, else
         PREDICTED_BASE_PER_FLOOR floors of the format), and what the front holds for it."""
         format_name = spec.format.name
-        bases = [p.base_bytes for p in self._packs.values() if p.format_name == format_name]
+        bases = [p.base_bytes + p.calls_bytes for p in self.of_format(format_name)]
         base = max(bases, default=0) or spec.format.size_floor * PREDICTED_BASE_PER_FLOOR
         load = max(int(spec.disk_bytes * self.settings.modelsize_multiplier), PACKED_PREDICTION_MIN_BYTES)
         return load + base // self.settings.models_per_worker + memory.FRONT_MODEL_BYTES
 
     def of(self, worker: Worker) -> Pack | None:
         return self._packs.get(worker)
+
+    def of_format(self, format_name: str) -> list[Pack]:
+        return [pack for pack in self._packs.values() if pack.format_name == format_name]
+
+    def new_pack(self, worker: Worker, format_name: str) -> Pack:
+        pack = self._packs[worker] = Pack(worker, format_name)
+        return pack
+
+    def retire(self, pack: Pack) -> None:
+        """The pack takes no model and counts for nothing any more: it is about to be killed."""
+        pack.open = False
+        self._packs.pop(pack.worker, None)
 
     def size_of(self, model: Model) -> int:
         """What the model's loads added to its packs, in all."""
@@ -144,8 +156,7 @@ class Packs:
             # The fullest free one: fewer processes in all, and two loads at once do not queue.
             pack = max(fits, key=lambda p: (not p.lock.locked(), len(p.members)))
         else:
-            worker = await self.pool.take(format_name)
-            pack = self._packs[worker] = Pack(worker, format_name)
+            pack = self.new_pack(await self.pool.take(format_name), format_name)
         pack.members[model.model_id] = model
         return pack
 
@@ -157,7 +168,7 @@ class Packs:
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
         before = memory.anonymous(worker.pid)
-        reply = await self._send_load(pack, model)
+        reply = await self.send_load(pack, model)
         if reply["ok"]:
             # Charged at once: a drop must follow even if the measuring is cancelled.
             pack.charged[model.model_id] = PACKED_MODEL_MIN_BYTES
@@ -175,14 +186,16 @@ class Packs:
         pages copied from the fork server) is so in the base, measured after, and
         not in the first model's size. The reply of the rehearsal load.
         """
-        reply = await self._send_load(pack, model)
+        reply = await self.send_load(pack, model)
         if reply["ok"]:
             await self.pool.send_drop(pack.worker, model.model_id)
             cost = await asyncio.to_thread(memory.cost_or_zero, pack.worker.pid)
             pack.base_bytes = cost + memory.FRONT_SHARE_BYTES
+            # What calls add after the pack's last load no later load's growth pays for.
+            pack.calls_bytes = model.spec.format.first_calls_bytes
         return reply
 
-    async def _send_load(self, pack: Pack, model: Model) -> dict:
+    async def send_load(self, pack: Pack, model: Model) -> dict:
         model_id, spec = model.model_id, model.spec
         try:
             return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
@@ -198,12 +211,13 @@ class Packs:
         if not pack.charged:
             await self._end(pack, f"its first load ({model.model_id}) failed")
         elif left > RECYCLE_SLACK_BYTES:
-            await self._recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
+            await self._repacker.recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
         return reply, 0
 
     def _charge(self, pack: Pack, model_id: str, measured: int) -> int:
         """The model's size, now that the pack costs `measured`: what no model is charged for yet (at
-        least PACKED_MODEL_MIN_BYTES), its share of the base, and what the front holds for it.
+        least PACKED_MODEL_MIN_BYTES), its share of the base and of what calls add after the
+        pack's last load (its format's first_calls_bytes), and what the front holds for it.
 
         So the sizes of a pack's models add up to at least what it grew by, and a load that only
         refilled heap freed before is not charged that heap a second time.
@@ -211,7 +225,8 @@ class Packs:
         others = sum(charge for other, charge in pack.growth_charged.items() if other != model_id)
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
         growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
-        size = growth + pack.base_bytes // self.settings.models_per_worker + memory.FRONT_MODEL_BYTES
+        share = (pack.base_bytes + pack.calls_bytes) // self.settings.models_per_worker
+        size = growth + share + memory.FRONT_MODEL_BYTES
         pack.growth_charged[model_id] = growth
         pack.charged[model_id] = size
         return size
@@ -233,6 +248,7 @@ class Packs:
                     await self._take_out(pack, model)
                 else:
                     pack.members.pop(model.model_id, None)
+            await self._repacker.compact(pack.format_name)
 
     async def _take_out(self, pack: Pack, model: Model) -> None:
         """Holding the pack's lock: drop the model, and recycle the pack if it did not shrink enough."""
@@ -245,7 +261,7 @@ class Packs:
             await self._end(pack, f"its last model ({model_id}) is unloaded")
             return
         if pack.abandoned:  # a load given up may still run in the pack
-            await self._recycle(pack, f"the load of {model_id} was abandoned")
+            await self._repacker.recycle(pack, f"the load of {model_id} was abandoned")
             return
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
@@ -257,70 +273,14 @@ class Packs:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
         freed = before - memory.anonymous(worker.pid)
         if freed + RECYCLE_SLACK_BYTES < grown:
-            await self._recycle(pack, f"dropping {model_id} gave back {freed} of the {grown} bytes it added")
+            reason = f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
+            await self._repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str) -> None:
         """Kills a pack that holds nothing any more; returns once it is reaped."""
-        pack.open = False
-        self._packs.pop(pack.worker, None)
+        self.retire(pack)
         self.pool.kill(pack.worker, KillCause.UNLOAD, reason)
         await asyncio.shield(pack.worker.exited)
-
-    async def _recycle(self, pack: Pack, reason: str) -> None:
-        """Holding the pack's lock: a fresh pack loads the survivors, the old one goes."""
-        started = time.monotonic()
-        old = pack.worker
-        pack.open = False
-        survivors = [
-            m
-            for model_id, m in pack.members.items()
-            if model_id in pack.charged and m.ready and old in m.workers
-        ]
-        log.info("recycling %r: %s; %d models move", old, reason, len(survivors))
-        moved = await self._move(survivors, pack) if survivors else 0
-        await self._drain(old)
-        self._packs.pop(old, None)
-        pack.members.clear()
-        self.pool.kill(old, KillCause.RECYCLED, reason)
-        await asyncio.shield(old.exited)
-        if self._on_recycle is not None:
-            self._on_recycle(time.monotonic() - started, moved)
-
-    async def _move(self, survivors: list[Model], old_pack: Pack) -> int:
-        """Loads the survivors into a fresh pack and moves their calls to it; how many moved.
-
-        One that does not move stays with the old pack and heals once it is killed.
-        """
-        try:
-            worker = await self.pool.take(old_pack.format_name)
-        except status.RpcError as error:
-            log.error("cannot recycle into a fresh pack (%s); its models heal instead", error.message)
-            return 0
-        fresh = Pack(worker, old_pack.format_name)
-        fresh.open = False  # takes no other model before the survivors are in
-        self._packs[worker] = fresh
-        moved = 0
-        try:
-            async with fresh.lock:
-                for model in survivors:
-                    fresh.members[model.model_id] = model
-                    reply, _ = await self._load_into(fresh, model)
-                    # One unloaded meanwhile stays a member: its unload, waiting its turn, drops it.
-                    if reply["ok"] and worker.serving and model.ready:
-                        _switch(model, old_pack.worker, worker)
-                        moved += 1
-        except PeerGone:
-            log.error("the fresh pack %r died while the survivors moved in", worker)
-        finally:
-            fresh.open = worker.serving
-            self.pool.replenish()
-        return moved
-
-    async def _drain(self, worker: Worker) -> None:
-        """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
-        deadline = time.monotonic() + DRAIN_SECONDS
-        while worker.in_flight and worker.serving and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
 
     def forget(self, worker: Worker) -> list[Model]:
         """A pack's process is gone: no model goes there any more. Its models (to heal)."""
@@ -333,15 +293,6 @@ class Packs:
         pack.charged.clear()
         pack.growth_charged.clear()
         return models
-
-
-def _switch(model: Model, old: Worker, new: Worker) -> None:
-    """The model's calls go to `new` from now on; those sent to `old` finish there."""
-    if old in model.workers:
-        model.workers.remove(old)
-    model.workers.append(new)
-    model.replicas.add(new)
-    model.replicas.remove(old)
 
 
 def blamed(models: list[Model], worker: Worker) -> list[Model]:

@@ -49,6 +49,15 @@ CRASHING_MODEL = """
             os.kill(os.getpid(), signal.SIGKILL)
 """
 
+# A model whose load kills the process it loads in.
+CRASHING_LOAD = """
+    import os, signal
+
+    class Model:
+        def __init__(self, path):
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
 SLOW_MODEL = """
     import time
@@ -75,6 +84,15 @@ def predicted_size(rt: Runtime, model_id: str) -> int:
     path = rt.model_dir(model_id)
     request = mm.PredictModelSizeRequest(modelId=model_id, modelPath=path, modelKey=PYTHON_KEY)
     return rt.mesh.predictModelSize(request, timeout=0.5).sizeInBytes
+
+
+def inspect_command(rt: Runtime) -> list[str]:
+    return [os.path.join(REPO, "scripts", "inspect-workers"), "--runtime-dir", rt.env["RUNTIME_DIR"]]
+
+
+def inspected(rt: Runtime) -> dict:
+    """What inspect-workers --json shows."""
+    return json.loads(subprocess.run([*inspect_command(rt), "--json"], capture_output=True, text=True).stdout)
 
 
 def pack_pids(rt: Runtime) -> set[int]:
@@ -142,6 +160,23 @@ def test_a_pack_crash_heals_the_neighbours_and_drops_only_the_model_that_crashed
         assert "dropping a:" not in rt.log() and "dropping b:" not in rt.log()
 
 
+def test_a_load_that_crashes_its_pack_fails_and_only_that_packs_models_heal():
+    with packed() as rt:
+        for i in range(4):
+            rt.load(f"full{i}", rt.model_dir(f"full{i}"))
+        (full,) = pack_pids(rt)
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        (crashing,) = pack_pids(rt) - {full}  # the only pack with room: the next load goes there
+        error = expect_status(
+            grpc.StatusCode.FAILED_PRECONDITION, rt.load, "crasher", rt.model_dir("crasher", CRASHING_LOAD)
+        )
+        assert "died" in error.details(), error.details()
+        wait_until(lambda: answers(rt, "neighbour"), timeout=20, what="the neighbour healed")
+        assert not psutil.pid_exists(crashing) and full in pack_pids(rt), "only the crashed pack went"
+        assert all(answers(rt, f"full{i}") for i in range(4))
+        expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "crasher", [1.0])
+
+
 def test_a_cancelled_load_in_a_pack_recycles_it_and_the_survivor_serves_on():
     with packed() as rt:
         rt.load("echo", rt.model_dir("echo"))
@@ -181,16 +216,14 @@ def test_a_pack_killed_from_outside_heals_every_model_in_it(signum):
 def test_inspect_workers_shows_each_pack_with_its_models_and_their_sizes():
     with packed() as rt:
         sizes = {f"m{i}": rt.load(f"m{i}", rt.model_dir(f"m{i}")).sizeInBytes for i in range(3)}
-        command = [os.path.join(REPO, "scripts", "inspect-workers"), "--runtime-dir", rt.env["RUNTIME_DIR"]]
-        rows = json.loads(subprocess.run([*command, "--json"], capture_output=True, text=True).stdout)
-        (pack,) = [row for row in rows["workers"] if row["role"] == "pack"]
+        (pack,) = [row for row in inspected(rt)["workers"] if row["role"] == "pack"]
         assert pack["model"] == "3 models"
         shown_sizes = {m["model"]: m["bytes"] for m in pack["models"]}
         assert shown_sizes.keys() == sizes.keys()
         assert shown_sizes["m1"] == sizes["m1"] and shown_sizes["m2"] == sizes["m2"]
         # The first load also paid the pack's first-use costs, which moved to the pack's base.
         assert 0 < shown_sizes["m0"] <= sizes["m0"]
-        shown = subprocess.run(command, capture_output=True, text=True).stdout
+        shown = subprocess.run(inspect_command(rt), capture_output=True, text=True).stdout
         assert all(f"- m{i} " in shown for i in range(3)), shown
 
 
@@ -228,6 +261,27 @@ def test_calls_to_the_survivors_of_a_recycle_all_succeed():
             caller.join()
         assert old not in pack_pids(rt) and "recycling" in rt.log()
         assert all(outcomes), f"{outcomes.count(False)} of {len(outcomes)} calls failed"
+
+
+def test_packs_that_unloads_left_half_empty_are_compacted_and_every_model_answers_on():
+    with packed(METRICS_PORT=str(free_port())) as rt:
+        for i in range(8):
+            rt.load(f"m{i}", rt.model_dir(f"m{i}"))
+        first, second = sorted(pack_pids(rt))  # four models each
+        for i in (0, 1, 4):
+            rt.unload(f"m{i}")
+        assert pack_pids(rt) == {first, second}, "three free places do not hold either pack's models"
+        rt.unload("m5")  # now either pack's two models fit into the other's two free places
+        (kept,) = pack_pids(rt)
+        gone = first if kept == second else second
+        assert not psutil.pid_exists(gone), "the emptied pack is reaped before unloadModel returns"
+        assert all(answers(rt, f"m{i}") for i in (2, 3, 6, 7))
+        assert "compacted: 2 of its 2 models moved" in rt.log()
+        assert metric(rt, "mesh_pack_models_moved_total") == 2
+        # What the moved models were charged moved with them.
+        (pack,) = [row for row in inspected(rt)["workers"] if row["role"] == "pack"]
+        assert sorted(m["model"] for m in pack["models"]) == ["m2", "m3", "m6", "m7"]
+        assert all(m["bytes"] > 0 for m in pack["models"])
 
 
 def test_capacity_holds_back_the_base_of_one_open_pack_per_format():

@@ -43,7 +43,8 @@ class Format:
     batches_rows: bool = False
     # What a worker's first calls add to it, charged in its reported size until
     # it has served one: a spare rehearses the common call path, but not the
-    # model's own first predict (docs/density.md).
+    # model's own first predict (docs/density.md). A pack has it in its base:
+    # what its models' calls add after its last load.
     first_calls_bytes: int = 384 * KiB
 
     def matches(self, file_name: str) -> bool:

@@ -1,0 +1,182 @@
+"""Moving packed models from one pack to others: recycling a pack, and compacting packs.
+
+A pack is recycled when it did not give back what a drop should have, or may
+still run a load that was given up: a fresh spare loads its other models. A
+format's packs are compacted when the places unloads left in them would hold
+every model of the emptiest one: those models move there. A place left
+empty is base that no model's size covers (runtime/packs.py), so compacting
+keeps that below one pack's base per format, which capacity holds back.
+
+Either way each model is loaded into its new pack with the size it was
+charged (model-mesh keeps the one loadModel answered) and its calls move
+there; calls already sent finish in the old pack, which is killed once it has
+answered them (or DRAIN_SECONDS passed), and reaped, before the unload that
+set it off returns. A model that does not move stays with the old pack and
+heals once it is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from runtime import memory, status
+from runtime.channel import PeerGone
+from runtime.model import Model
+from runtime.worker import KillCause, Worker
+
+if TYPE_CHECKING:
+    from runtime.packs import Pack, Packs
+
+log = logging.getLogger("mesh.packs")
+
+# How long a pack being ended may take to answer the calls already sent to it.
+DRAIN_SECONDS = 10.0
+
+
+class Repacker:
+    def __init__(self, packs: Packs, on_recycle=None):
+        """on_recycle(seconds, models_moved) is told of every recycle and compaction (metrics)."""
+        self.packs = packs
+        self._on_recycle = on_recycle
+        self._compacting: set[str] = set()  # formats whose emptiest pack is moving into the others
+
+    async def recycle(self, pack: Pack, reason: str) -> None:
+        """Holding the pack's lock: a fresh pack loads the survivors, the old one goes."""
+        started = time.monotonic()
+        pack.open = False
+        survivors = [
+            m
+            for model_id, m in pack.members.items()
+            if model_id in pack.charged and m.ready and pack.worker in m.workers
+        ]
+        log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
+        moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
+        await self._end(pack, reason, started, moved)
+
+    async def compact(self, format_name: str) -> None:
+        """Moves the models of the format's emptiest pack into the others once their free places
+        hold them all, and ends it."""
+        if format_name in self._compacting:
+            return
+        packs = [
+            p
+            for p in self.packs.of_format(format_name)
+            if p.open and p.worker.serving and not p.lock.locked()
+        ]
+        if len(packs) < 2:
+            return
+        emptiest = min(packs, key=lambda p: len(p.members))
+        others = [p for p in packs if p is not emptiest]
+        room = sum(self.packs.settings.models_per_worker - len(p.members) for p in others)
+        if room < len(emptiest.members):
+            return
+        self._compacting.add(format_name)
+        try:
+            async with emptiest.lock:
+                if emptiest.open and emptiest.worker.serving:
+                    await self._into_others(emptiest, others)
+        finally:
+            self._compacting.discard(format_name)
+
+    async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack) -> int:
+        """Loads the survivors into a fresh pack and moves their calls to it; how many moved."""
+        try:
+            worker = await self.packs.pool.take(old_pack.format_name)
+        except status.RpcError as error:
+            log.error("cannot recycle into a fresh pack (%s); its models heal instead", error.message)
+            return 0
+        fresh = self.packs.new_pack(worker, old_pack.format_name)
+        fresh.calls_bytes = old_pack.calls_bytes
+        fresh.open = False  # takes no other model before the survivors are in
+        moved = 0
+        try:
+            async with fresh.lock:
+                for model in survivors:
+                    moved += await self._move(model, old_pack, fresh)
+                # Its base is what its models' growth does not cover: measured once, not per model.
+                measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+                fresh.base_bytes = measured + memory.FRONT_SHARE_BYTES - sum(fresh.growth_charged.values())
+        except PeerGone:
+            log.error("the fresh pack %r died while the survivors moved in", worker)
+        finally:
+            fresh.open = worker.serving
+            self.packs.pool.replenish()
+        return moved
+
+    async def _into_others(self, emptiest: Pack, others: list[Pack]) -> None:
+        """Holding the emptiest pack's lock: its models move into the others, and it ends."""
+        started = time.monotonic()
+        emptiest.open = False
+        movers = [m for model_id, m in emptiest.members.items() if model_id in emptiest.charged and m.ready]
+        moved = 0
+        for model in movers:
+            target = self._room_for(model, others)
+            if target is None:
+                continue
+            try:
+                async with target.lock:
+                    if target.open and target.worker.serving:
+                        moved += await self._move(model, emptiest, target)
+            except PeerGone:
+                log.error("pack %r died while %s moved in", target.worker, model.model_id)
+        reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
+        log.info("%r %s", emptiest.worker, reason)
+        await self._end(emptiest, reason, started, moved)
+
+    def _room_for(self, model: Model, others: list[Pack]) -> Pack | None:
+        """The fullest of `others` with a free place and no replica of the model."""
+        room = self.packs.settings.models_per_worker
+        fits = [p for p in others if p.open and len(p.members) < room and p.worker not in model.workers]
+        return max(fits, key=lambda p: len(p.members), default=None)
+
+    async def _move(self, model: Model, source: Pack, target: Pack) -> bool:
+        """Holding the target's lock: loads a model of `source` into `target` with the size it
+        was charged, then moves its calls; whether it moved. One unloaded meanwhile stays a
+        member: its unload, waiting its turn, drops it."""
+        model_id = model.model_id
+        target.members[model_id] = model
+        before = memory.anonymous(target.worker.pid)
+        reply = await self.packs.send_load(target, model)
+        if not reply["ok"]:
+            target.members.pop(model_id, None)
+            target.worker.models.discard(model_id)
+            message = reply.get("message")
+            log.error("%s did not load in %r (%s): it heals instead", model_id, target.worker, message)
+            return False
+        target.grown[model_id] = max(0, memory.anonymous(target.worker.pid) - before)
+        target.charged[model_id] = source.charged.pop(model_id, 0)
+        target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
+        source.grown.pop(model_id, None)
+        if not (target.worker.serving and model.ready):
+            return False
+        switch(model, source.worker, target.worker)
+        return True
+
+    async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
+        """Once its calls are answered, kills a pack whose models moved out, and waits until it is
+        reaped."""
+        await self._drain(pack.worker)
+        self.packs.retire(pack)
+        pack.members.clear()
+        self.packs.pool.kill(pack.worker, KillCause.RECYCLED, reason)
+        await asyncio.shield(pack.worker.exited)
+        if self._on_recycle is not None:
+            self._on_recycle(time.monotonic() - started, moved)
+
+    async def _drain(self, worker: Worker) -> None:
+        """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while worker.in_flight and worker.serving and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+
+def switch(model: Model, old: Worker, new: Worker) -> None:
+    """The model's calls go to `new` from now on; those sent to `old` finish there."""
+    if old in model.workers:
+        model.workers.remove(old)
+    model.workers.append(new)
+    model.replicas.add(new)
+    model.replicas.remove(old)
