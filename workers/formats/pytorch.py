@@ -61,7 +61,10 @@ class TorchScriptModel:
         # A copy: received tensors are read-only views of the request, and a
         # module may write into its input.
         tensor = self.torch.from_numpy(np.array(array))
-        with self.torch.inference_mode():
+        # Without the graph executor's optimizing pass: on the CPU it fuses nothing by default,
+        # and it would compile each module's graph again at its second call, memory that a packed
+        # model's size, measured at load, does not hold. The flag is per thread, so set per call.
+        with self.torch.inference_mode(), self.torch.jit.optimized_execution(False):
             result = self.module(tensor)
         return _named(result)
 
