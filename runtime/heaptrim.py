@@ -1,13 +1,14 @@
-"""The front gives its freed heap back to the OS once the workers stop exiting.
+"""The front gives its freed heap back to the OS once workers stop exiting and models stop unloading.
 
-Each worker the pool reaps frees what the front held for it, and glibc keeps
-that memory mapped: after unloading a thousand models the front stayed tens
-of MiB above where it started. Some of what a worker's records hold is in
-reference cycles, freed only by a garbage collection, which an idle front may
-not run for a long time; so the trim collects first. Both hold the process
+Each worker the pool reaps, and each model unloaded from a pack, frees what
+the front held for it, and glibc keeps that memory mapped: after unloading a
+thousand models the front stayed tens of MiB above where it started. Some
+of what those records hold is in reference cycles, freed only by a garbage
+collection, which an idle front may not run for a long time; so the trim
+collects first. Both hold the process
 for milliseconds (the collection holds the GIL, malloc_trim() locks each
-arena), so they run in a thread, once per burst of exits: when QUIET_SECONDS
-have passed with no exit, not after each one.
+arena), so they run in a thread, once per burst: when QUIET_SECONDS have
+passed with no exit or unload, not after each one.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._refill_task: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
-        self._heap = QuietTrimmer()
+        self.heap = QuietTrimmer()  # note() whenever the front freed what it held for something
         self._closing = False
         self._closed = asyncio.Event()  # set by close(): ends a spawn backoff at once
 
@@ -118,7 +118,7 @@ class WorkerPool:
             self.kill(worker, KillCause.SHUTDOWN, "the front is stopping")
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
-        self._heap.cancel()  # the front is about to exit: that gives everything back
+        self.heap.cancel()  # the front is about to exit: that gives everything back
         await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.stop)
         self._spawner.shutdown(wait=True)
         await self.channel.close()
@@ -374,7 +374,7 @@ class WorkerPool:
             extra={"model_id": worker.model_id} if worker.model_id else None,
         )
         self._on_worker_exit(worker, code)
-        self._heap.note()  # what the front held for the worker is free now
+        self.heap.note()  # what the front held for the worker is free now
         self._schedule_refill()
 
     def _collect_exit(self, worker: Worker) -> int | None:

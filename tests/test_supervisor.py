@@ -22,11 +22,22 @@ from runtime.worker import KillCause, Worker, WorkerState
 from workers import formats
 
 
+class CountedNotes:
+    """Stands for the front's heap trimmer: counts what asked it to trim."""
+
+    def __init__(self):
+        self.notes = 0
+
+    def note(self) -> None:
+        self.notes += 1
+
+
 class FakePool:
     """Spares on demand; loads answered by `answer_load`; a kill reaps the worker at once."""
 
     def __init__(self, settings, on_worker_exit):
         self.on_worker_exit = on_worker_exit
+        self.heap = CountedNotes()
         self.taken: list[Worker] = []
         self.answer_load = lambda worker: {"ok": True}
         self.ready = True
@@ -133,6 +144,8 @@ def test_unload_returns_once_every_worker_is_reaped_and_unknown_ids_at_once():
     with pytest.raises(status.RpcError) as raised:
         sup.ready_model("m")
     assert raised.value.code is grpc.StatusCode.NOT_FOUND
+    # Every unload asks the front to give its freed heap back: a packed one reaps no worker.
+    assert sup.pool.heap.notes == 1
 
 
 def test_a_crashed_worker_heals_into_a_fresh_one_and_a_model_that_keeps_crashing_is_dropped():
