@@ -164,7 +164,7 @@ class Packs:
         """Holding the pack's lock: load, measured from outside before and after."""
         worker = pack.worker
         if not pack.base_bytes:
-            reply = await self._rehearse(pack, model)
+            reply = await self.rehearse(pack, model)
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
         before = memory.anonymous(worker.pid)
@@ -179,7 +179,7 @@ class Packs:
         measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
         return reply, self._charge(pack, model.model_id, measured)
 
-    async def _rehearse(self, pack: Pack, model: Model) -> dict:
+    async def rehearse(self, pack: Pack, model: Model) -> dict:
         """A new pack loads its first model once and drops it before the load that counts.
 
         What a pack's first load writes that later loads reuse (imports, caches,

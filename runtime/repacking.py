@@ -9,9 +9,11 @@ keeps that below one pack's base per format, which capacity holds back.
 
 Either way each model is loaded into its new pack with the size it was
 charged (model-mesh keeps the one loadModel answered) and its calls move
-there; calls already sent finish in the old pack, which is killed once it has
-answered them (or DRAIN_SECONDS passed), and reaped, before the unload that
-set it off returns. A model that does not move stays with the old pack and
+there: in a recycle, all at once when every survivor is in, so that no call
+waits behind a load in the fresh pack while the old one is idle. Calls
+already sent finish in the old pack, which is killed once it has answered
+them (or DRAIN_SECONDS passed), and reaped, before the unload that set it
+off returns. A model that does not move stays with the old pack and
 heals once it is killed.
 """
 
@@ -55,6 +57,8 @@ class Repacker:
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
         moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
         await self._end(pack, reason, started, moved)
+        # Only now: on two cores, forking a spare while the survivors move slows their calls.
+        self.packs.pool.replenish()
 
     async def compact(self, format_name: str) -> None:
         """Moves the models of the format's emptiest pack into the others once their free places
@@ -91,11 +95,13 @@ class Repacker:
         fresh = self.packs.new_pack(worker, old_pack.format_name)
         fresh.calls_bytes = old_pack.calls_bytes
         fresh.open = False  # takes no other model before the survivors are in
-        moved = 0
+        loaded: list[Model] = []
         try:
             async with fresh.lock:
-                for model in survivors:
-                    moved += await self._move(model, old_pack, fresh)
+                # Else the first model moved in would be measured with what a first load writes
+                # that later loads reuse, which its drop cannot give back: a recycle again.
+                await self.packs.rehearse(fresh, survivors[0])
+                loaded = [model for model in survivors if await self._load_moved(model, old_pack, fresh)]
                 # Its base is what its models' growth does not cover: measured once, not per model.
                 measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
                 fresh.base_bytes = measured + memory.FRONT_SHARE_BYTES - sum(fresh.growth_charged.values())
@@ -103,8 +109,7 @@ class Repacker:
             log.error("the fresh pack %r died while the survivors moved in", worker)
         finally:
             fresh.open = worker.serving
-            self.packs.pool.replenish()
-        return moved
+        return self._switch_all(loaded, old_pack, fresh)
 
     async def _into_others(self, emptiest: Pack, others: list[Pack]) -> None:
         """Holding the emptiest pack's lock: its models move into the others, and it ends."""
@@ -119,7 +124,8 @@ class Repacker:
             try:
                 async with target.lock:
                     if target.open and target.worker.serving:
-                        moved += await self._move(model, emptiest, target)
+                        loaded = await self._load_moved(model, emptiest, target)
+                        moved += self._switch_all([model] if loaded else [], emptiest, target)
             except PeerGone:
                 log.error("pack %r died while %s moved in", target.worker, model.model_id)
         reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
@@ -132,10 +138,10 @@ class Repacker:
         fits = [p for p in others if p.open and len(p.members) < room and p.worker not in model.workers]
         return max(fits, key=lambda p: len(p.members), default=None)
 
-    async def _move(self, model: Model, source: Pack, target: Pack) -> bool:
+    async def _load_moved(self, model: Model, source: Pack, target: Pack) -> bool:
         """Holding the target's lock: loads a model of `source` into `target` with the size it
-        was charged, then moves its calls; whether it moved. One unloaded meanwhile stays a
-        member: its unload, waiting its turn, drops it."""
+        was charged; whether it loaded. Its calls still go to `source` (_switch_all). One
+        unloaded meanwhile stays a member: its unload, waiting its turn, drops it."""
         model_id = model.model_id
         target.members[model_id] = model
         before = memory.anonymous(target.worker.pid)
@@ -150,10 +156,16 @@ class Repacker:
         target.charged[model_id] = source.charged.pop(model_id, 0)
         target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
         source.grown.pop(model_id, None)
-        if not (target.worker.serving and model.ready):
-            return False
-        switch(model, source.worker, target.worker)
         return True
+
+    @staticmethod
+    def _switch_all(models: list[Model], source: Pack, target: Pack) -> int:
+        """Moves the calls of `models`, loaded in `target`, there; how many moved. Calls go on to
+        `source` until all of them are loaded: `target` answers none while it loads."""
+        moved = [m for m in models if target.worker.serving and m.ready]
+        for model in moved:
+            switch(model, source.worker, target.worker)
+        return len(moved)
 
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
