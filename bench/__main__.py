@@ -34,6 +34,11 @@ per model, reported sizes against it, load and call latencies, idle CPU,
 descriptors; then unloading them all); with --peer mlserver, MLServer with
 the same N sklearn models beside it.
 
+--packs runs bench/pack_recycle.py and bench/pack_churn.py instead: what a
+pack recycle costs an unload and the pack's other calls, then --ops mixed
+loads, unloads and calls on a pod kept near its capacity, with the reported
+sizes against the cgroup's growth after every thousand.
+
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
@@ -41,6 +46,7 @@ usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-o
                      [--peer mlserver] [--rounds N]
        scripts/bench --instructions-only [--json PATH]
        scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--json PATH]
+       scripts/bench --packs [--ops 10000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import shutil
 import sys
 import traceback
 
-from bench import instructions, lifecycle, plan, report, scale
+from bench import instructions, lifecycle, pack_churn, pack_recycle, plan, report, scale
 from bench.common import progress
 from meshtest import harness
 
@@ -117,6 +123,14 @@ def main() -> int:
     )
     parser.add_argument("--scale", action="store_true", help="run only the scale benchmark (bench/scale.py)")
     parser.add_argument(
+        "--packs",
+        action="store_true",
+        help="run only the packs benchmark (bench/pack_recycle.py, bench/pack_churn.py)",
+    )
+    parser.add_argument(
+        "--ops", type=int, default=pack_churn.OPS, help="packs: churn operations (default %(default)s)"
+    )
+    parser.add_argument(
         "--format", default="python", help="scale: the format of the tiny models (default python)"
     )
     parser.add_argument(
@@ -157,6 +171,8 @@ def main() -> int:
     print(f"WORKER_PRELOAD: {','.join(Settings.from_env().worker_preload)}")
     if args.scale:
         return run_scale(args, info)
+    if args.packs:
+        return run_packs(args, info)
     if args.dataplane_only:
         figures = {}
         ok = run_dataplane(args, figures)
@@ -225,6 +241,25 @@ def run_scale(args, info: dict) -> int:
     scale.print_report(figures["scale"])
     write_json(args, info, figures)
     return 1 if any("error" in v for v in figures["scale"].values() if isinstance(v, dict)) else 0
+
+
+def run_packs(args, info: dict) -> int:
+    """bench/pack_recycle.py, then bench/pack_churn.py; each prints its lines."""
+    figures: dict = {}
+    try:
+        figures["recycle"] = pack_recycle.run()
+    except Exception as error:
+        traceback.print_exc()
+        figures["recycle"] = {"error": repr(error)}
+    figures["churn"] = pack_churn.run(args.ops)
+    print()
+    if "error" in figures["recycle"]:
+        print(f"recycle: ERROR {figures['recycle']['error']}")
+    else:
+        print("\n".join(pack_recycle.describe(figures["recycle"])))
+    print("\n".join(pack_churn.describe(figures["churn"])))
+    write_json(args, info, figures)
+    return 1 if any("error" in part for part in figures.values()) else 0
 
 
 def write_json(args, info: dict, figures: dict) -> None:
