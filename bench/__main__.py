@@ -39,6 +39,10 @@ pack recycle costs an unload and the pack's other calls, then --ops mixed
 loads, unloads and calls on a pod kept near its capacity, with the reported
 sizes against the cgroup's growth after every thousand.
 
+--cpu-limit runs bench/cpulimit.py instead: the echo model under h2load with
+the runtime in a cgroup with a CPU quota of one core, with BUSY_POLL_US=1000,
+0 and the default side by side.
+
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.
 
@@ -47,6 +51,7 @@ usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-o
        scripts/bench --instructions-only [--json PATH]
        scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--json PATH]
        scripts/bench --packs [--ops 10000] [--json PATH]
+       scripts/bench --cpu-limit [--rounds N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import shutil
 import sys
 import traceback
 
-from bench import instructions, lifecycle, pack_churn, pack_recycle, plan, report, scale
+from bench import cpulimit, instructions, lifecycle, pack_churn, pack_recycle, plan, report, scale
 from bench.common import progress
 from meshtest import harness
 
@@ -128,6 +133,11 @@ def main() -> int:
         help="run only the packs benchmark (bench/pack_recycle.py, bench/pack_churn.py)",
     )
     parser.add_argument(
+        "--cpu-limit",
+        action="store_true",
+        help="run only the CPU-quota benchmark of busy polling (bench/cpulimit.py)",
+    )
+    parser.add_argument(
         "--ops", type=int, default=pack_churn.OPS, help="packs: churn operations (default %(default)s)"
     )
     parser.add_argument(
@@ -173,6 +183,8 @@ def main() -> int:
         return run_scale(args, info)
     if args.packs:
         return run_packs(args, info)
+    if args.cpu_limit:
+        return run_cpu_limit(args, info)
     if args.dataplane_only:
         figures = {}
         ok = run_dataplane(args, figures)
@@ -260,6 +272,19 @@ def run_packs(args, info: dict) -> int:
     print("\n".join(pack_churn.describe(figures["churn"])))
     write_json(args, info, figures)
     return 1 if any("error" in part for part in figures.values()) else 0
+
+
+def run_cpu_limit(args, info: dict) -> int:
+    """bench/cpulimit.py: one table of the busy-polling settings under a CPU quota."""
+    try:
+        figures = {"cpu_limit": cpulimit.run(rounds=max(args.rounds, cpulimit.ROUNDS))}
+    except Exception as error:
+        traceback.print_exc()
+        print(f"\ncpu limit: ERROR {error!r}")
+        return 1
+    cpulimit.print_report(figures["cpu_limit"])
+    write_json(args, info, figures)
+    return 0
 
 
 def write_json(args, info: dict, figures: dict) -> None:

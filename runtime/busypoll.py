@@ -33,6 +33,10 @@ import os
 import time
 from collections.abc import Callable
 
+# The window when BUSY_POLL_US is not set and no CPU quota applies.
+DEFAULT_WINDOW_US = 1000
+CGROUP_ROOT = "/sys/fs/cgroup"
+
 # A turn after which the loop's thread had used less CPU than this found the
 # loop with nothing else to do. An idle turn takes 2-10 µs of CPU; a turn that
 # waited behind other calls' callbacks mostly 25-200 µs (measured with one and
@@ -78,3 +82,73 @@ class BusyPoller:
         if cpu - self._cpu_at_last_turn < IDLE_TURN_CPU_SECONDS:
             os.sched_yield()
         self._cpu_at_last_turn = cpu
+
+
+def describe(window_us: int, cgroup_root: str = CGROUP_ROOT) -> str:
+    """For the start-up log: the window, and the CPU quota that may have chosen it."""
+    quota = cpu_quota_cores(cgroup_root)
+    chosen = f"up to {window_us} µs after each request" if window_us else "off"
+    return chosen + ("" if quota is None else f" (a CPU quota of {quota:g} cores applies)")
+
+
+def default_window_us(cgroup_root: str = CGROUP_ROOT) -> int:
+    """DEFAULT_WINDOW_US, or 0 under a CPU quota (a pod's CPU limit): there every thread of the pod
+    draws from one budget per period, and a front that spins takes CPU time from the very worker
+    it waits for."""
+    return 0 if cpu_quota_cores(cgroup_root) is not None else DEFAULT_WINDOW_US
+
+
+def cpu_quota_cores(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The tightest CPU quota of this process's cgroup and those above it, in cores; None if none.
+
+    cgroup v2: cpu.max ("max 100000" or "QUOTA PERIOD"); v1: cpu.cfs_quota_us (-1: none) over
+    cpu.cfs_period_us, in the cpu controller's hierarchy.
+    """
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            quotas += _quotas_up(os.path.join(cgroup_root, path.lstrip("/")), cgroup_root, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            hierarchy = os.path.join(cgroup_root, controllers)
+            if not os.path.isdir(hierarchy):
+                hierarchy = os.path.join(cgroup_root, "cpu")
+            quotas += _quotas_up(os.path.join(hierarchy, path.lstrip("/")), hierarchy, _v1_quota)
+    return min(quotas, default=None)
+
+
+def _quotas_up(folder: str, top: str, read: Callable[[str], float | None]) -> list[float]:
+    """The quotas read in `folder` and each folder above it up to `top`."""
+    found = []
+    while True:
+        quota = read(folder)
+        if quota is not None:
+            found.append(quota)
+        if os.path.normpath(folder) == os.path.normpath(top) or len(folder) <= len(top):
+            return found
+        folder = os.path.dirname(folder)
+
+
+def _v2_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 or period <= 0 else quota / period

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from plumbing import logsetup, priority, titles
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, filelimit, reading, rundir
+from runtime import __version__, busypoll, filelimit, reading, rundir
 from runtime.admin import AdminServer
 from runtime.budget import ByteBudget
 from runtime.dataplane import InferenceService
@@ -48,6 +48,7 @@ def run(settings: Settings) -> int:
     logsetup.setup("front", settings.log_level, settings.log_format)
     titles.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
     filelimit.check_open_file_limit(settings)  # before any worker holds a descriptor
+    log.info("busy polling %s", busypoll.describe(settings.busy_poll_us))
     if not priority.set_oom_score_adj(priority.FRONT_OOM_SCORE_ADJ):
         log.info(
             "cannot lower the front's oom_score_adj (needs CAP_SYS_RESOURCE); workers still rank above it"

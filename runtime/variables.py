@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from runtime import busypoll
 from runtime import envparse as parse
 
 # Frameworks the fork server imports up front when they are installed, so a
@@ -280,11 +281,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "BUSY_POLL_US",
         parse.whole_number,
-        1000,
+        lambda s: busypoll.default_window_us(),
         "after a request goes to a worker, the front's event loop polls up to this long while the "
         "reply is due, instead of sleeping: waking a halted CPU costs more than a small call "
-        "(0: always sleep)",
+        "(0: always sleep; under a CPU quota spinning takes the workers' CPU time)",
         parse.at_least(0),
+        default_text="1000 (0 under a CPU quota)",
     ),
     Variable(
         "WORKER_PRELOAD",
