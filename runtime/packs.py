@@ -53,6 +53,11 @@ RECYCLE_SLACK_BYTES = 128 * 1024
 # pack had freed grows it by less than the model holds. What one model is
 # charged beyond its growth is credit that the next loads' growth uses up.
 PACKED_MODEL_MIN_BYTES = 8 * 1024
+# What each packed model is charged for drops: a drop may leave up to RECYCLE_SLACK_BYTES in its
+# pack (heap pages the survivors still use part of), and only a later load into that pack is
+# charged it, which a compaction's moves into its free places never are. Under churn near
+# capacity, packs were measured to outgrow their models' sizes by about 1.4 % (docs/density.md).
+DROP_LEFTOVER_BYTES = 8 * 1024
 # The least a model is predicted to add to its pack before it is loaded: above what tiny
 # models were measured to add (docs/density.md), so that predictModelSize stays conservative.
 PACKED_PREDICTION_MIN_BYTES = 256 * 1024
@@ -96,7 +101,8 @@ class Packs:
         bases = [p.base_bytes + p.calls_bytes for p in self.of_format(format_name)]
         base = max(bases, default=0) or spec.format.size_floor * PREDICTED_BASE_PER_FLOOR
         load = max(int(spec.disk_bytes * self.settings.modelsize_multiplier), PACKED_PREDICTION_MIN_BYTES)
-        return load + base // self.settings.models_per_worker + memory.FRONT_MODEL_BYTES
+        share = base // self.settings.models_per_worker
+        return load + share + DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
 
     def of(self, worker: Worker) -> Pack | None:
         return self._packs.get(worker)
@@ -217,7 +223,8 @@ class Packs:
     def _charge(self, pack: Pack, model_id: str, measured: int) -> int:
         """The model's size, now that the pack costs `measured`: what no model is charged for yet (at
         least PACKED_MODEL_MIN_BYTES), its share of the base and of what calls add after the
-        pack's last load (its format's first_calls_bytes), and what the front holds for it.
+        pack's last load (its format's first_calls_bytes), what drops may leave behind
+        (DROP_LEFTOVER_BYTES), and what the front holds for it.
 
         So the sizes of a pack's models add up to at least what it grew by, and a load that only
         refilled heap freed before is not charged that heap a second time.
@@ -226,7 +233,7 @@ class Packs:
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
         growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
         share = (pack.base_bytes + pack.calls_bytes) // self.settings.models_per_worker
-        size = growth + share + memory.FRONT_MODEL_BYTES
+        size = growth + share + DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
         pack.growth_charged[model_id] = growth
         pack.charged[model_id] = size
         return size
