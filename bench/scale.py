@@ -171,6 +171,7 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
     """Every step on one started server; a step that fails ends the run with what was measured."""
     server.wait_settled()
     base = meter.settled_usage()
+    base_cache = meter.page_cache()
     held = server.held_back()  # read once, at start, as model-mesh reads capacity
     figures: dict = {"method": meter.method, "base_bytes": base, "held_back_bytes": held, "steps": []}
     loaded, reported = 0, 0
@@ -193,6 +194,9 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
                 print(f"  {server.name} {scale_faults.describe(figures['faults'])}", file=sys.stderr)
         progress(f"{server.name}: unloading all {loaded}")
         figures.update(unload_all(server, meter, base, loaded))
+        cache = meter.page_cache()
+        if cache is not None and base_cache is not None:
+            figures["left_page_cache_bytes"] = cache - base_cache
     except Exception as error:
         figures["error"] = f"{type(error).__name__}: {error}"[:300]
         print(f"{server.name}: ERROR {figures['error']}", file=sys.stderr)
@@ -302,9 +306,15 @@ def print_report(figures: dict) -> None:
         if not isinstance(system, dict) or "steps" not in system:
             continue
         if "unload_all_s" in system:
+            cache = system.get("left_page_cache_bytes")
+            of_it = (
+                ""
+                if cache is None
+                else f" ({cache / MiB:+.1f} MiB of it page cache: files read, reclaimable)"
+            )
             print(
                 f"{name}: unloading all {system['steps'][-1]['models']} took {system['unload_all_s']:.1f} s, "
-                f"{system['left_bytes'] / MiB:+.1f} MiB left above the start"
+                f"{system['left_bytes'] / MiB:+.1f} MiB left above the start{of_it}"
             )
         if "faults" in system:
             print(f"{name} {scale_faults.describe(system['faults'])}")

@@ -77,6 +77,19 @@ class Meter:
                 pass
         return total
 
+    def page_cache(self) -> int | None:
+        """Bytes of the usage that are page cache (file pages: reclaimable when clean, so the kernel
+        takes them back before it kills anything); None without a cgroup."""
+        if self.path is None:
+            return None
+        key = "file" if self.usage_file.endswith("memory.current") else "cache"  # v2, v1
+        with open(os.path.join(self.path, "memory.stat")) as stat:
+            for line in stat:
+                name, value = line.split()
+                if name == key:
+                    return int(value)
+        return None
+
     def settled_usage(self, timeout: float = 30.0, tolerance: int = 1024 * 1024) -> int:
         """usage() once two readings a second apart agree within `tolerance` bytes."""
         deadline = time.monotonic() + timeout
