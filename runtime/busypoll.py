@@ -88,7 +88,9 @@ def describe(window_us: int, cgroup_root: str = CGROUP_ROOT) -> str:
     """For the start-up log: the window, and the CPU quota that may have chosen it."""
     quota = cpu_quota_cores(cgroup_root)
     chosen = f"up to {window_us} µs after each request" if window_us else "off"
-    return chosen + ("" if quota is None else f" (a CPU quota of {quota:g} cores applies)")
+    if quota is None:
+        return chosen
+    return chosen + f" (a CPU quota of {quota:g} core{'' if quota == 1 else 's'} applies)"
 
 
 def default_window_us(cgroup_root: str = CGROUP_ROOT) -> int:
@@ -111,7 +113,10 @@ def cpu_quota_cores(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/se
         return None
     quotas = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:  # not a cgroup line: nothing to learn from it
+            continue
+        _, controllers, path = fields
         if controllers == "":
             quotas += _quotas_up(os.path.join(cgroup_root, path.lstrip("/")), cgroup_root, _v2_quota)
         elif "cpu" in controllers.split(","):

@@ -94,6 +94,9 @@ class Healer:
             await asyncio.sleep(
                 min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1))
             )
+            # Again: a pack recycled meanwhile may have moved the model into a fresh pack.
+            if model.state is not ModelState.READY or len(model.workers) >= self.settings.model_replicas:
+                return
             if model.packed:
                 await self._heal_into_a_pack(model)
                 continue

@@ -11,8 +11,9 @@ its base is what it costs then, measured from outside with the kernel's
 share (runtime/memory.py): the spare, and what a first load writes that
 later loads reuse. A model's size is what the pack grew by that no model is
 charged for yet (its load, and what calls since the last load added; at
-least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER)
-and what the front holds for it: model-mesh reads capacity only once, at
+least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER),
+DROP_LEFTOVER_BYTES for what later drops may leave, and what the front holds
+for it: model-mesh reads capacity only once, at
 start, so a pack's base must be in the sizes of the models that fill it.
 What a pack costs beyond its models' sizes (one not yet full) is counted in
 capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
@@ -58,6 +59,8 @@ PACKED_MODEL_MIN_BYTES = 8 * 1024
 # charged it, which a compaction's moves into its free places never are. Under churn near
 # capacity, packs were measured to outgrow their models' sizes by about 1.4 % (docs/density.md).
 DROP_LEFTOVER_BYTES = 8 * 1024
+# Charged to every packed model on top of its growth and shares.
+PER_MODEL_BYTES = DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
 # The least a model is predicted to add to its pack before it is loaded: above what tiny
 # models were measured to add (docs/density.md), so that predictModelSize stays conservative.
 PACKED_PREDICTION_MIN_BYTES = 256 * 1024
@@ -96,13 +99,12 @@ class Packs:
     def predicted_size(self, spec: ModelSpec) -> int:
         """A conservative size for one copy of a model that will go into a pack: what its load
         may add, its share of a base (the largest its format's packs measured, else
-        PREDICTED_BASE_PER_FLOOR floors of the format), and what the front holds for it."""
+        PREDICTED_BASE_PER_FLOOR floors of the format), and the bytes charged per model."""
         format_name = spec.format.name
         bases = [p.base_bytes + p.calls_bytes for p in self.of_format(format_name)]
         base = max(bases, default=0) or spec.format.size_floor * PREDICTED_BASE_PER_FLOOR
         load = max(int(spec.disk_bytes * self.settings.modelsize_multiplier), PACKED_PREDICTION_MIN_BYTES)
-        share = base // self.settings.models_per_worker
-        return load + share + DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
+        return load + base // self.settings.models_per_worker + PER_MODEL_BYTES
 
     def of(self, worker: Worker) -> Pack | None:
         return self._packs.get(worker)
@@ -233,7 +235,7 @@ class Packs:
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
         growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
         share = (pack.base_bytes + pack.calls_bytes) // self.settings.models_per_worker
-        size = growth + share + DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
+        size = growth + share + PER_MODEL_BYTES
         pack.growth_charged[model_id] = growth
         pack.charged[model_id] = size
         return size

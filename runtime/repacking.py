@@ -57,8 +57,6 @@ class Repacker:
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
         moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
         await self._end(pack, reason, started, moved)
-        # Only now: on two cores, forking a spare while the survivors move slows their calls.
-        self.packs.pool.replenish()
 
     async def compact(self, format_name: str) -> None:
         """Moves the models of the format's emptiest pack into the others once their free places
@@ -86,7 +84,10 @@ class Repacker:
             self._compacting.discard(format_name)
 
     async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack) -> int:
-        """Loads the survivors into a fresh pack and moves their calls to it; how many moved."""
+        """Loads the survivors into a fresh pack and moves their calls to it; how many moved.
+
+        No spare is forked meanwhile (on two cores a fork slows the survivors' calls): the old
+        pack's reap refills the spares."""
         try:
             worker = await self.packs.pool.take(old_pack.format_name)
         except status.RpcError as error:
@@ -100,16 +101,29 @@ class Repacker:
             async with fresh.lock:
                 # Else the first model moved in would be measured with what a first load writes
                 # that later loads reuse, which its drop cannot give back: a recycle again.
-                await self.packs.rehearse(fresh, survivors[0])
+                rehearsal = await self.packs.rehearse(fresh, survivors[0])
+                if not rehearsal["ok"]:
+                    await self._abandon(fresh, f"it could not load {survivors[0].model_id}")
+                    return 0
                 loaded = [model for model in survivors if await self._load_moved(model, old_pack, fresh)]
                 # Its base is what its models' growth does not cover: measured once, not per model.
                 measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
                 fresh.base_bytes = measured + memory.FRONT_SHARE_BYTES - sum(fresh.growth_charged.values())
         except PeerGone:
+            if worker.alive:
+                await self._abandon(fresh, "it stopped taking loads while the survivors moved in")
+                return 0
             log.error("the fresh pack %r died while the survivors moved in", worker)
         finally:
             fresh.open = worker.serving
         return self._switch_all(loaded, old_pack, fresh)
+
+    async def _abandon(self, fresh: Pack, reason: str) -> None:
+        """Ends a fresh pack the survivors cannot move into: they heal once the old pack goes."""
+        log.error("cannot recycle into %r: %s; its models heal instead", fresh.worker, reason)
+        self.packs.retire(fresh)
+        self.packs.pool.kill(fresh.worker, KillCause.RECYCLED, reason)
+        await asyncio.shield(fresh.worker.exited)
 
     async def _into_others(self, emptiest: Pack, others: list[Pack]) -> None:
         """Holding the emptiest pack's lock: its models move into the others, and it ends."""
@@ -171,8 +185,12 @@ class Repacker:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
         reaped."""
         await self._drain(pack.worker)
-        self.packs.retire(pack)
-        pack.members.clear()
+        pack.open = False
+        # Those whose calls still go to it did not move: they stay its members, and heal once
+        # it is reaped (Healer.on_worker_exit asks Packs.forget for them).
+        pack.members = {i: m for i, m in pack.members.items() if pack.worker in m.workers}
+        if not pack.members:
+            self.packs.retire(pack)
         self.packs.pool.kill(pack.worker, KillCause.RECYCLED, reason)
         await asyncio.shield(pack.worker.exited)
         if self._on_recycle is not None:

@@ -43,7 +43,7 @@ def test_v1_the_tightest_quota_of_the_cpu_hierarchy_counts(tmp_path):
     for folder, quota in (("cpu,cpuacct", "-1"), ("cpu,cpuacct/pod", "50000"), ("cpu,cpuacct/pod/c", "-1")):
         write(root / folder / "cpu.cfs_quota_us", quota)
         write(root / folder / "cpu.cfs_period_us", "100000")
-    cgroup = self_cgroup(tmp_path, "4:memory:/pod/c\n3:cpu,cpuacct:/pod/c\n0::/\n")
+    cgroup = self_cgroup(tmp_path, "4:memory:/pod/c\n3:cpu,cpuacct:/pod/c\n0::/\nnot a cgroup line\n")
     assert busypoll.cpu_quota_cores(str(root), cgroup) == 0.5
 
 
@@ -57,7 +57,7 @@ def test_no_quota_keeps_the_default_window_and_a_quota_turns_it_off(tmp_path, mo
     monkeypatch.setattr(busypoll, "cpu_quota_cores", lambda root=None: 1.0)
     assert Settings.from_env({}).busy_poll_us == 0
     assert Settings.from_env({"BUSY_POLL_US": "500"}).busy_poll_us == 500, "a value set is kept"
-    assert "quota of 1 cores" in busypoll.describe(0)
+    assert busypoll.describe(0) == "off (a CPU quota of 1 core applies)"
 
 
 def test_a_front_started_in_a_cgroup_of_one_core_does_not_busy_poll():
@@ -66,7 +66,7 @@ def test_a_front_started_in_a_cgroup_of_one_core_does_not_busy_poll():
         pytest.skip(f"no CPU cgroup can be made here: {quota.why_not}")
     try:
         with Runtime(command_prefix=quota.command_prefix()) as rt:
-            assert "busy polling off (a CPU quota of 1 cores applies)" in rt.log()
+            assert "busy polling off (a CPU quota of 1 core applies)" in rt.log()
         with Runtime() as rt:
             assert "busy polling up to 1000 µs after each request" in rt.log()
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -187,6 +188,20 @@ def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_r
         # with the module its first load imported for all: its drop gives back what it added.
         rt.unload("a")
         assert pack_pids(rt) == {fresh} and metric(rt, "mesh_pack_recycle_seconds_count") == 1
+
+
+def test_a_recycle_whose_fresh_pack_cannot_load_the_survivors_ends_it_and_they_heal():
+    with packed() as rt:
+        gone = rt.model_dir("gone")
+        for model_id in ("gone", "b"):
+            rt.load(model_id, rt.model_dir(model_id))
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        (old,) = pack_pids(rt)
+        shutil.rmtree(gone)  # its files vanish: the fresh pack cannot load the first survivor
+        rt.unload("leaky")
+        assert "cannot recycle into" in rt.log() and not psutil.pid_exists(old)
+        wait_until(lambda: answers(rt, "b"), timeout=20, what="the survivor healed into a new pack")
+        wait_until(lambda: len(pack_pids(rt)) == 1, timeout=20, what="no pack left over")
 
 
 def test_a_pack_crash_heals_the_neighbours_and_drops_only_the_model_that_crashed_it():

@@ -190,3 +190,18 @@ def test_the_replica_set_picks_the_least_busy_serving_worker_and_serves_its_line
             await second
 
     run(scenario())
+
+
+def test_a_heal_that_finds_the_model_served_again_after_its_backoff_takes_no_worker():
+    async def scenario():
+        sup = supervisor()
+        await sup.load(spec())
+        model = sup.ready_model("m")
+        sup.pool.reap(sup.pool.taken[0], -9)  # the heal starts, and waits its backoff
+        # Meanwhile the model is served again (a pack recycle moved it into a fresh pack).
+        model.workers.append(await sup.pool.take("python"))
+        await model.heal_task
+        return sup
+
+    sup = run(scenario())
+    assert len(sup.pool.taken) == 2, "the heal took no worker of its own"
