@@ -17,98 +17,53 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import sys
 import tempfile
-import time
 
 from bench.common import progress
 from bench.h2load import Target, measure
 from bench.installers import ensure_h2load
 from bench.payloads import SMALL, expect_echo, mesh_header_lines, small_request
 from bench.servers import RUNTIME_ENV, stop_runtime
-from meshtest import harness
+from meshtest import cgroup, harness
 
 QUOTA_CORES = 1.0
 PERIOD_US = 100_000
 CONCURRENCY = (1, 8, 16)
-ROUNDS = 2
+ROUNDS = 3
 SETTINGS = {
     "BUSY_POLL_US=1000": {"BUSY_POLL_US": "1000"},
     "BUSY_POLL_US=0": {"BUSY_POLL_US": "0"},
     "default": {},
 }
 
-_V2_ROOT = "/sys/fs/cgroup"
-_V1_ROOT = "/sys/fs/cgroup/cpu"
+_V1_CPU = "/sys/fs/cgroup/cpu"
 
 
-def _v2_has_cpu() -> bool:
-    try:
-        with open(os.path.join(_V2_ROOT, "cgroup.controllers")) as controllers:
-            return "cpu" in controllers.read().split()
-    except OSError:
-        return False
-
-
-class CpuQuota:
-    """A cgroup whose processes share QUOTA_CORES of CPU time; path None where none could be made."""
+class CpuQuota(cgroup.Cgroup):
+    """A cgroup whose processes share `cores` of CPU time; path None (and why_not) where none
+    could be made."""
 
     def __init__(self, name: str, cores: float = QUOTA_CORES):
-        self.path: str | None = None
-        self.why_not = ""
-        quota = int(cores * PERIOD_US)
-        leaf = f"mesh-bench-{os.getpid()}-{name}"
-        for root, write in ((_V2_ROOT, self._write_v2), (_V1_ROOT, self._write_v1)):
-            if root == _V2_ROOT and not _v2_has_cpu():
-                continue
-            path = os.path.join(root, leaf)
-            try:
-                os.mkdir(path)
-            except OSError as error:
-                self.why_not = f"{path}: {error}"
-                continue
-            try:
-                if not os.path.exists(os.path.join(path, "cgroup.procs")):
-                    raise OSError(f"{root} is no cgroup hierarchy")
-                write(path, quota)
-            except OSError as error:
-                self.why_not = f"{path}: {error}"
-                os.rmdir(path)
-                continue
-            self.path = path
-            return
-
-    @staticmethod
-    def _write_v2(path: str, quota: int) -> None:
-        with open(os.path.join(path, "cpu.max"), "w") as f:
-            f.write(f"{quota} {PERIOD_US}")
-
-    @staticmethod
-    def _write_v1(path: str, quota: int) -> None:
-        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
-            f.write(str(PERIOD_US))
-        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
-            f.write(str(quota))
-
-    def command_prefix(self) -> tuple[str, ...]:
-        assert self.path is not None
-        procs = shlex.quote(os.path.join(self.path, "cgroup.procs"))
-        return ("sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh")
-
-    def remove(self) -> None:
+        self.path, version = cgroup.make(name, "cpu", _V1_CPU)
+        self.why_not = "" if self.path is not None else version
         if self.path is None:
             return
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    print(f"warning: could not remove the cgroup {self.path}", file=sys.stderr)
-                    return
-                time.sleep(0.2)
+        quota = int(cores * PERIOD_US)
+        try:
+            if version == "v2":
+                self._write("cpu.max", f"{quota} {PERIOD_US}")
+            else:
+                self._write("cpu.cfs_period_us", str(PERIOD_US))
+                self._write("cpu.cfs_quota_us", str(quota))
+        except OSError as error:
+            self.why_not = f"{self.path}: {error}"
+            self.remove()
+            self.path = None
+
+    def _write(self, name: str, value: str) -> None:
+        assert self.path is not None
+        with open(os.path.join(self.path, name), "w") as f:
+            f.write(value)
 
 
 def resolved_busy_poll(rt: harness.Runtime) -> str:
@@ -122,19 +77,19 @@ def resolved_busy_poll(rt: harness.Runtime) -> str:
 def run(duration: float = 8.0, warmup: float = 1.0, rounds: int = ROUNDS) -> dict:
     figures: dict = {"quota_cores": QUOTA_CORES, "rounds": rounds, "points": [], "resolved": {}}
     folder = tempfile.mkdtemp(prefix="mr-cpulimit-")
-    quotas = {name: CpuQuota(name.replace("=", "-")) for name in SETTINGS}
-    if any(q.path is None for q in quotas.values()):
-        for quota in quotas.values():
-            quota.remove()
-        why = next(q.why_not for q in quotas.values() if q.path is None)
-        figures["skipped"] = f"no CPU cgroup could be made ({why})"
-        return figures
-    figures["h2load"] = ensure_h2load()
     with contextlib.ExitStack() as stack:
+        quotas = {}
+        for name in SETTINGS:
+            quotas[name] = CpuQuota(name.replace("=", "-"))
+            stack.callback(quotas[name].remove)
+        missing = [q.why_not for q in quotas.values() if q.path is None]
+        if missing:
+            figures["skipped"] = f"no CPU cgroup could be made ({missing[0]})"
+            return figures
+        figures["h2load"] = ensure_h2load()
         targets = {}
         for name, env in SETTINGS.items():
             rt = harness.Runtime(command_prefix=quotas[name].command_prefix(), **{**RUNTIME_ENV, **env})
-            stack.callback(quotas[name].remove)
             stack.callback(stop_runtime, rt)
             progress(f"cpu limit: starting mesh-runtime with {name} in {QUOTA_CORES:g} core of quota")
             rt.start()
@@ -159,7 +114,7 @@ def run(duration: float = 8.0, warmup: float = 1.0, rounds: int = ROUNDS) -> dic
                     point = measure(targets[name], concurrency, duration, warmup, folder)
                     rounds_of.setdefault((name, concurrency), []).append(point)
         for (name, _), points in rounds_of.items():
-            median = sorted(points, key=lambda p: p["req_s"])[len(points) // 2]
+            median = sorted(points, key=lambda p: p["req_s"])[(len(points) - 1) // 2]  # the lower one of two
             median["setting"] = name
             median["rounds_req_s"] = [p["req_s"] for p in points]
             figures["points"].append(median)

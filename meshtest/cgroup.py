@@ -19,42 +19,44 @@ import psutil
 
 from meshtest import harness
 
-_V2_ROOT = "/sys/fs/cgroup"
-_V1_ROOT = "/sys/fs/cgroup/memory"
+V2_ROOT = "/sys/fs/cgroup"
+_V1_MEMORY = "/sys/fs/cgroup/memory"
 
 
-def _v2_usable() -> bool:
+def v2_has(controller: str) -> bool:
+    """Whether cgroup v2 is mounted at V2_ROOT with `controller` in it."""
     try:
-        with open(os.path.join(_V2_ROOT, "cgroup.controllers")) as controllers:
-            return "memory" in controllers.read().split()
+        with open(os.path.join(V2_ROOT, "cgroup.controllers")) as controllers:
+            return controller in controllers.read().split()
     except OSError:
         return False
 
 
-class Meter:
-    """Measures one server's memory from outside: its cgroup's usage, else its tree's PSS."""
+def make(name: str, controller: str, v1_root: str) -> tuple[str | None, str]:
+    """A new cgroup for one measured server: (its path, "v2" or "v1"), or (None, why not)."""
+    leaf = f"mesh-bench-{os.getpid()}-{name}"
+    why = []
+    for root, version in ((V2_ROOT, "v2"), (v1_root, "v1")):
+        if version == "v2" and not v2_has(controller):
+            why.append(f"no cgroup v2 with {controller} at {V2_ROOT}")
+            continue
+        path = os.path.join(root, leaf)
+        try:
+            os.mkdir(path)
+        except OSError as error:
+            why.append(f"{path}: {error.strerror}")
+            continue
+        if os.path.exists(os.path.join(path, "cgroup.procs")):
+            return path, version
+        why.append(f"{root} holds no cgroup hierarchy")
+        os.rmdir(path)
+    return None, "; ".join(why)
 
-    def __init__(self, name: str):
-        self.path: str | None = None
-        self.usage_file = ""
-        self.method = "PSS sum of the process tree (no memory cgroup could be created: kernel share missed)"
-        self.root_pid: int | None = None
-        leaf = f"mesh-bench-{os.getpid()}-{name}"
-        for root, usage, label in (
-            (_V2_ROOT, "memory.current", "cgroup v2 memory.current"),
-            (_V1_ROOT, "memory.usage_in_bytes", "cgroup v1 memory.usage_in_bytes"),
-        ):
-            if root == _V2_ROOT and not _v2_usable():
-                continue
-            path = os.path.join(root, leaf)
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            if os.path.exists(os.path.join(path, usage)):
-                self.path, self.usage_file, self.method = path, os.path.join(path, usage), label
-                return
-            os.rmdir(path)
+
+class Cgroup:
+    """A cgroup that a server's command joins (path None where none could be made)."""
+
+    path: str | None = None
 
     def command_prefix(self) -> tuple[str, ...]:
         """Put in front of the server's command line: it joins the cgroup, then execs the server."""
@@ -62,6 +64,35 @@ class Meter:
             return ()
         procs = shlex.quote(os.path.join(self.path, "cgroup.procs"))
         return ("sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh")
+
+    def remove(self) -> None:
+        """Removes the cgroup once its processes are gone (a pod's memory is reparented, not lost)."""
+        if self.path is None:
+            return
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.rmdir(self.path)
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    print(f"warning: could not remove the cgroup {self.path}")
+                    return
+                time.sleep(0.2)
+
+
+class Meter(Cgroup):
+    """Measures one server's memory from outside: its cgroup's usage, else its tree's PSS."""
+
+    def __init__(self, name: str):
+        self.usage_file = ""
+        self.method = "PSS sum of the process tree (no memory cgroup could be created: kernel share missed)"
+        self.root_pid: int | None = None
+        self.path, version = make(name, "memory", _V1_MEMORY)
+        if self.path is not None:
+            usage = "memory.current" if version == "v2" else "memory.usage_in_bytes"
+            self.usage_file = os.path.join(self.path, usage)
+            self.method = f"cgroup {version} {usage}"
 
     def usage(self) -> int:
         """Bytes in use now: the cgroup's counter, or the PSS sum of root_pid's tree."""
@@ -100,18 +131,3 @@ class Meter:
             if abs(now - previous) <= tolerance or time.monotonic() > deadline:
                 return now
             previous = now
-
-    def remove(self) -> None:
-        """Removes the cgroup once its processes are gone (a pod's memory is reparented, not lost)."""
-        if self.path is None:
-            return
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.rmdir(self.path)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    print(f"warning: could not remove the cgroup {self.path}")
-                    return
-                time.sleep(0.2)
