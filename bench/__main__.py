@@ -231,13 +231,20 @@ def run_dataplane(args, figures: dict) -> bool:
 
 def run_instructions(args, info: dict) -> int:
     """bench/instructions.py: instructions per call, which timings on this machine cannot show."""
+    return run_one(
+        args, info, "instructions", lambda: instructions.run(calls=1000), instructions.print_report
+    )
+
+
+def run_one(args, info: dict, key: str, measure, print_report) -> int:
+    """A benchmark that prints one report: its figures go under `key`; 1 if it could not run."""
     try:
-        figures = {"instructions": instructions.run(calls=1000)}
+        figures = {key: measure()}
     except Exception as error:
         traceback.print_exc()
-        print(f"\ninstructions: ERROR {error!r}")
+        print(f"\n{key}: ERROR {error!r}")
         return 1
-    instructions.print_report(figures["instructions"])
+    print_report(figures[key])
     write_json(args, info, figures)
     return 0
 
@@ -276,15 +283,8 @@ def run_packs(args, info: dict) -> int:
 
 def run_cpu_limit(args, info: dict) -> int:
     """bench/cpulimit.py: one table of the busy-polling settings under a CPU quota."""
-    try:
-        figures = {"cpu_limit": cpulimit.run(rounds=max(args.rounds, cpulimit.ROUNDS))}
-    except Exception as error:
-        traceback.print_exc()
-        print(f"\ncpu limit: ERROR {error!r}")
-        return 1
-    cpulimit.print_report(figures["cpu_limit"])
-    write_json(args, info, figures)
-    return 0
+    rounds = max(args.rounds, cpulimit.ROUNDS)
+    return run_one(args, info, "cpu_limit", lambda: cpulimit.run(rounds=rounds), cpulimit.print_report)
 
 
 def write_json(args, info: dict, figures: dict) -> None:
