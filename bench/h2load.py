@@ -165,6 +165,20 @@ def tree_cpu(processes: list[psutil.Process]) -> dict[int, float]:
     return seconds
 
 
+def tree_faults(processes: list[psutil.Process]) -> dict[int, int]:
+    """Page faults (minor and major) each process has taken, from /proc/PID/stat."""
+    faults = {}
+    for process in processes:
+        try:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                # After the command (in parentheses, may hold spaces): state is field 3, minflt 10, majflt 12.
+                fields = stat.read().rsplit(")", 1)[1].split()
+            faults[process.pid] = int(fields[7]) + int(fields[9])
+        except (OSError, IndexError, ValueError):
+            pass
+    return faults
+
+
 def measure(target: Target, concurrency: int, duration: float, warmup: float, folder: str) -> dict:
     """One point: checks, warm-up, the measured h2load run, checks again."""
     sizes = python_calls(target, CHECK_CALLS)
@@ -175,10 +189,11 @@ def measure(target: Target, concurrency: int, duration: float, warmup: float, fo
     if os.path.exists(log_path):
         os.remove(log_path)
     servers = target.processes()
-    cpu_before, busy_before = tree_cpu(servers), busy_jiffies()
+    cpu_before, busy_before, faults_before = tree_cpu(servers), busy_jiffies(), tree_faults(servers)
     self_before = os.times()
     run = run_h2load(target, concurrency, duration, log_path)
     busy_after, cpu_after, self_after = busy_jiffies(), tree_cpu(servers), os.times()
+    faults_after = tree_faults(servers)
     python_calls(target, POST_CHECK_CALLS)
 
     bad = run["failed"] + run["errored"] + run["timeout"]
@@ -234,6 +249,8 @@ def measure(target: Target, concurrency: int, duration: float, warmup: float, fo
         "mean_ms": sum(latencies) / len(latencies),
         "response_bytes": sorted(sizes),
         "server_cpu_us_per_req": server_cpu / run["done"] * 1e6,
+        "page_faults_per_req": sum(faults_after.get(p, 0) - n for p, n in faults_before.items())
+        / run["done"],
         "server_cpu_us_per_req_by_process": per_process,
         "server_cores": server_cpu / elapsed,
         "h2load_cores": h2load_cpu / elapsed,

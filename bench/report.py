@@ -178,12 +178,12 @@ def print_dataplane(figures: dict) -> None:
         " --log-file LOG (MLServer: no mm- headers, the model name in the request)"
     )
     print(f"load average before: {figures['load_average_before']:.2f}")
-    header = ("case", "payload", "c", "req/s", "p50 ms", "p99 ms", "srv cpu/req", "other cpu")
+    header = ("case", "payload", "c", "req/s", "p50 ms", "p99 ms", "srv cpu/req", "faults/req", "other cpu")
     rows = []
     for p in figures["points"]:
         if "error" in p:
             rows.append(
-                (p["case"], p["payload"], str(p["concurrency"]), "ERROR", p["error"][:70], "", "", "")
+                (p["case"], p["payload"], str(p["concurrency"]), "ERROR", p["error"][:70], "", "", "", "")
             )
         else:
             rows.append(
@@ -195,6 +195,7 @@ def print_dataplane(figures: dict) -> None:
                     f"{p['p50_ms']:.3f}",
                     f"{p['p99_ms']:.3f}",
                     f"{p['server_cpu_us_per_req']:.0f} us",
+                    f"{p.get('page_faults_per_req', float('nan')):.1f}",
                     f"{p['other_cores']:.2f} cores",
                 )
             )
@@ -210,7 +211,8 @@ def print_dataplane(figures: dict) -> None:
     )
     print(
         "\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
-        "workers); other cpu: what the rest of the machine used meanwhile"
+        "workers); faults/req: their page faults per request (/proc/PID/stat); other cpu: what the rest "
+        "of the machine used meanwhile"
     )
     print(
         f"check of every point: {CHECK_CALLS} grpc calls before and {POST_CHECK_CALLS} after it "
@@ -225,7 +227,7 @@ def print_dataplane(figures: dict) -> None:
 
 def _table(header: tuple, rows: list[tuple]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    numeric = {2, 3, 4, 5, 6, 7} if len(header) == 8 else set()
+    numeric = {2, 3, 4, 5, 6, 7, 8} if len(header) == 9 else set()
 
     def show(row):
         cells = [

@@ -10,7 +10,7 @@ import psutil
 import pytest
 from harness import REPO, expect_status, free_port, wait_until
 
-from bench import canned_server
+from bench import canned_server, h2load
 from bench.servers import canned_command
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -105,3 +105,12 @@ def test_hop_drops_the_answer_to_a_call_its_client_gave_up():
             hop.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_page_faults_of_a_process_are_counted_from_proc():
+    me = psutil.Process()
+    before = h2load.tree_faults([me])[me.pid]
+    touched = bytearray(8 * 1024 * 1024)  # fresh pages: each one faults on first write
+    for offset in range(0, len(touched), 4096):
+        touched[offset] = 1
+    assert h2load.tree_faults([me])[me.pid] - before >= 1024
