@@ -5,10 +5,9 @@ the front held for it, and glibc keeps that memory mapped: after unloading a
 thousand models the front stayed tens of MiB above where it started. Some
 of what those records hold is in reference cycles, freed only by a garbage
 collection, which an idle front may not run for a long time; so the trim
-collects first. Both hold the process
-for milliseconds (the collection holds the GIL, malloc_trim() locks each
-arena), so they run in a thread, once per burst: when QUIET_SECONDS have
-passed with no exit or unload, not after each one.
+collects first. Both hold the process for milliseconds (the collection holds
+the GIL, malloc_trim() locks each arena), so they run in a thread, once per
+burst: when QUIET_SECONDS have passed with no exit or unload, not after each.
 """
 
 from __future__ import annotations

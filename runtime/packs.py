@@ -13,8 +13,8 @@ later loads reuse. A model's size is what the pack grew by that no model is
 charged for yet (its load, and what calls since the last load added; at
 least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER),
 DROP_LEFTOVER_BYTES for what later drops may leave, and what the front holds
-for it: model-mesh reads capacity only once, at
-start, so a pack's base must be in the sizes of the models that fill it.
+for it: model-mesh reads capacity only once, at start, so a pack's base must
+be in the sizes of the models that fill it.
 What a pack costs beyond its models' sizes (one not yet full) is counted in
 capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
 

@@ -137,9 +137,12 @@ class Repacker:
                 continue
             try:
                 async with target.lock:
-                    if target.open and target.worker.serving:
-                        loaded = await self._load_moved(model, emptiest, target)
-                        moved += self._switch_all([model] if loaded else [], emptiest, target)
+                    if (
+                        target.open
+                        and target.worker.serving
+                        and await self._load_moved(model, emptiest, target)
+                    ):
+                        moved += self._switch_all([model], emptiest, target)
             except PeerGone:
                 log.error("pack %r died while %s moved in", target.worker, model.model_id)
         reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
