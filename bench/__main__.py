@@ -49,7 +49,7 @@ missed, 1 only when a measurement could not be made.
 usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only]
                      [--peer mlserver] [--rounds N]
        scripts/bench --instructions-only [--json PATH]
-       scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--json PATH]
+       scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--loaders N] [--json PATH]
        scripts/bench --packs [--ops 10000] [--json PATH]
        scripts/bench --cpu-limit [--rounds N] [--json PATH]
 """
@@ -156,6 +156,12 @@ def main() -> int:
         "default: the product's default)",
     )
     parser.add_argument(
+        "--loaders",
+        type=int,
+        default=scale.LOADERS,
+        help="scale: loads at once, each followed by its model's first call (default %(default)s, as model-mesh)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -256,7 +262,7 @@ def run_scale(args, info: dict) -> int:
     except ValueError:
         print(f"--steps: {args.steps!r} is not a list of numbers", file=sys.stderr)
         return 2
-    figures = {"scale": scale.run(args.format, steps, args.peer, args.models_per_worker)}
+    figures = {"scale": scale.run(args.format, steps, args.peer, args.models_per_worker, args.loaders)}
     scale.print_report(figures["scale"])
     write_json(args, info, figures)
     return 1 if any("error" in v for v in figures["scale"].values() if isinstance(v, dict)) else 0

@@ -111,8 +111,10 @@ def idle_cpu_percent(root_pid: int, seconds: float) -> float:
     return 100 * spent / 1e9 / seconds
 
 
-def load_step(server: ScaleServer, indexes: list[int]) -> tuple[list[float], list[float], int, float]:
-    """Loads `indexes` two at a time, each followed by its first call.
+def load_step(
+    server: ScaleServer, indexes: list[int], loaders: int = LOADERS
+) -> tuple[list[float], list[float], int, float]:
+    """Loads `indexes` `loaders` at a time, each followed by its first call.
 
     Returns the load times and first-call times in ms, the bytes reported and the seconds it all took.
     """
@@ -125,8 +127,8 @@ def load_step(server: ScaleServer, indexes: list[int]) -> tuple[list[float], lis
         return (loaded - start) * 1000, (time.perf_counter() - loaded) * 1000, size
 
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(LOADERS) as loaders:
-        results = list(loaders.map(one, indexes))
+    with concurrent.futures.ThreadPoolExecutor(loaders) as pool:
+        results = list(pool.map(one, indexes))
     wall = time.perf_counter() - start
     return [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results), wall
 
@@ -167,7 +169,9 @@ def unload_all(server: ScaleServer, meter: cgroup.Meter, base: int, loaded: int)
     return {"unload_all_s": seconds, "left_bytes": left}
 
 
-def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...]) -> dict:
+def run_server(
+    server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...], loaders: int = LOADERS
+) -> dict:
     """Every step on one started server; a step that fails ends the run with what was measured."""
     server.wait_settled()
     base = meter.settled_usage()
@@ -178,7 +182,7 @@ def run_server(server: ScaleServer, meter: cgroup.Meter, steps: tuple[int, ...])
     try:
         for target in steps:
             progress(f"{server.name}: loading models {loaded}..{target - 1}")
-            load_ms, first_ms, added, wall = load_step(server, list(range(loaded, target)))
+            load_ms, first_ms, added, wall = load_step(server, list(range(loaded, target)), loaders)
             loaded, reported = target, reported + added
             step = measure_step(server, meter, base, loaded, reported, held)
             step.update(
@@ -226,13 +230,20 @@ def run(
     steps: tuple[int, ...] = STEPS,
     peer: str | None = None,
     models_per_worker: int | None = None,
+    loaders: int = LOADERS,
 ) -> dict:
     """The whole scale benchmark: mesh-runtime with `fmt` models, then the peer with sklearn ones.
 
-    models_per_worker: mesh-runtime's MODELS_PER_WORKER (None: the product's default)."""
+    models_per_worker: mesh-runtime's MODELS_PER_WORKER (None: the product's default);
+    loaders: how many loads run at once (model-mesh's default: 2)."""
     if models_per_worker is None:
         models_per_worker = Settings.from_env({}).models_per_worker
-    figures: dict = {"format": fmt, "steps_wanted": list(steps), "models_per_worker": models_per_worker}
+    figures: dict = {
+        "format": fmt,
+        "steps_wanted": list(steps),
+        "models_per_worker": models_per_worker,
+        "loaders": loaders,
+    }
     folder = tempfile.mkdtemp(prefix="mr-scale-")
     try:
         systems = [("mesh-runtime", fmt, MeshRuntime)]
@@ -245,7 +256,7 @@ def run(
             try:
                 packing = {"models_per_worker": models_per_worker} if server_class is MeshRuntime else {}
                 with server_class(models, model_format, meter, **packing) as server:
-                    figures[name] = {"format": model_format, **run_server(server, meter, steps)}
+                    figures[name] = {"format": model_format, **run_server(server, meter, steps, loaders)}
             finally:
                 meter.remove()
     finally:

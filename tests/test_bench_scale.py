@@ -13,7 +13,9 @@ def test_the_scale_benchmark_measures_a_few_python_models_from_outside(
 ):
     monkeypatch.setattr(scale, "RANDOM_CALLS", 20)
     monkeypatch.setattr(scale, "IDLE_SECONDS", 0.5)
-    figures = scale.run("python", steps=(2, 4), models_per_worker=models_per_worker)
+    loaders = 1 if models_per_worker == 1 else scale.LOADERS  # one at a time, or as model-mesh
+    figures = scale.run("python", steps=(2, 4), models_per_worker=models_per_worker, loaders=loaders)
+    assert figures["loaders"] == loaders
     system = figures["mesh-runtime"]
     assert "error" not in system, system["error"]
     assert [step["models"] for step in system["steps"]] == [2, 4]
