@@ -57,7 +57,7 @@ PACKED_MODEL_MIN_BYTES = 8 * 1024
 # What each packed model is charged for drops: a drop may leave up to RECYCLE_SLACK_BYTES in its
 # pack (heap pages the survivors still use part of), and only a later load into that pack is
 # charged it, which a compaction's moves into its free places never are. Under churn near
-# capacity, packs were measured to outgrow their models' sizes by about 1.4 % (docs/density.md).
+# capacity, packs were measured to outgrow their models' sizes (docs/density.md).
 DROP_LEFTOVER_BYTES = 8 * 1024
 # Charged to every packed model on top of its growth and shares.
 PER_MODEL_BYTES = DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
