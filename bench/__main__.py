@@ -49,7 +49,8 @@ missed, 1 only when a measurement could not be made.
 usage: scripts/bench [--loads N] [--json PATH] [--skip-dataplane | --dataplane-only]
                      [--peer mlserver] [--rounds N]
        scripts/bench --instructions-only [--json PATH]
-       scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--loaders N] [--json PATH]
+       scripts/bench --scale [--format F] [--steps 50,200,500,1000] [--peer mlserver] [--loaders N]
+                             [--json PATH]
        scripts/bench --packs [--ops 10000] [--json PATH]
        scripts/bench --cpu-limit [--rounds N] [--json PATH]
 """
@@ -159,7 +160,7 @@ def main() -> int:
         "--loaders",
         type=int,
         default=scale.LOADERS,
-        help="scale: loads at once, each followed by its model's first call (default %(default)s, as model-mesh)",
+        help="scale: loads at once, each followed by its first call (default %(default)s, as model-mesh)",
     )
     parser.add_argument(
         "--rounds",
