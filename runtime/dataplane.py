@@ -28,10 +28,12 @@ import time
 
 import grpc
 
+from plumbing import heap
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from runtime import __version__, modelspec, reading, status
 from runtime.dispatch import Dispatcher
+from runtime.heaptrim import QuietTrimmer
 from workers import protocol
 
 SERVICE = "inference.GRPCInferenceService"
@@ -95,6 +97,8 @@ class InferenceService(grpc.GenericRpcHandler):
         self.budget = dispatcher.budget
         self.metrics = dispatcher.supervisor.metrics
         self.allow_any_method = allow_any_method
+        # Big calls leave free heap that glibc keeps for the next ones: given back once they stop.
+        self.heap = QuietTrimmer(trim=heap.trim)
         # Method path -> (method, metric label), for the methods every worker serves.
         self._forwarded = {
             f"/{name}": self._forwarded_as(name) for name in (protocol.METHOD_INFER, protocol.METHOD_METADATA)
@@ -163,6 +167,8 @@ class InferenceService(grpc.GenericRpcHandler):
             self._observe(model_id, label, error.code.name, started)
             await status.abort(context, error)
         self._observe(model_id, label, "OK", started)
+        if len(request) >= heap.TRIM_AFTER_BYTES or len(response) >= heap.TRIM_AFTER_BYTES:
+            self.heap.note()
         return response
 
     def _observe(self, model_id: str, label: str, code: str, started: float) -> None:

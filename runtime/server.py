@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from plumbing import logsetup, priority, titles
+from plumbing import heap, logsetup, priority, titles
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
 from runtime import __version__, busypoll, filelimit, reading, rundir
 from runtime.admin import AdminServer
@@ -45,7 +45,10 @@ SERVICE_NAMES = (
 def run(settings: Settings) -> int:
     stop_signals = StopSignals()
     stop_signals.note_early()
+    keeps_buffers = heap.keep_big_buffers()  # before grpc and ZeroMQ start their threads
     logsetup.setup("front", settings.log_level, settings.log_format)
+    if not keeps_buffers:
+        log.info("this libc takes no malloc thresholds: big tensors are mapped afresh for each call")
     titles.set_title(f"front port={settings.runtime_port}", settings.runtime_dir)
     filelimit.check_open_file_limit(settings)  # before any worker holds a descriptor
     log.info("busy polling %s", busypoll.describe(settings.busy_poll_us))

@@ -20,6 +20,9 @@ share one predict (workers/batching.py); any other takes one message per poll
 Every wake of the loop stamps the worker's slot of the beat file, and an idle
 worker wakes every `beat_ms` only for that: the front reads the stamps to find
 hung workers (runtime/heartbeat.py) without a message crossing the socket.
+A call that carried a big buffer leaves free heap that glibc keeps for the
+next one (plumbing/heap.py): the first such wake with nothing to read after it
+gives that heap back, so a worker keeps it only while its calls flow.
 
 The front sends nothing to an idle worker, so silence proves nothing about
 it. The loop ends once the front process is gone: it polls a pidfd of the
@@ -43,7 +46,7 @@ from typing import Any
 
 import zmq
 
-from plumbing import lifeline
+from plumbing import heap, lifeline
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from workers import batching, protocol, v2
@@ -70,6 +73,7 @@ class Worker:
         self.beat_slot = config.get("beat_slot", 0)
         self.front_exit = self._watch_front()
         self.check_front_at = 0.0  # without front_exit: when to look in /proc next
+        self.heap_to_trim = False  # a big buffer came or went since the heap was last given back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
@@ -118,6 +122,8 @@ class Worker:
             # each readiness check costs system calls (poll, and ZeroMQ's own
             # poll and getpid), so none is repeated.
             ready = protocol.wait_readable(self.polled, self.ms_to_next_beat())
+            if not ready and self.heap_to_trim:
+                self.give_heap_back()
             if self.socket in ready:
                 self.receive_queued()
             if self.pool is not None and self.replies in ready:
@@ -150,8 +156,18 @@ class Worker:
     def front_is_running(self) -> bool:
         return self.front is not None and lifeline.is_running(self.front)
 
+    def give_heap_back(self) -> None:
+        """Calls stopped after a big one: the free heap they left goes back to the OS."""
+        heap.trim()
+        self.heap_to_trim = False
+
+    def note_sizes(self, frames: Sequence) -> None:
+        if not self.heap_to_trim and any(len(frame) >= heap.TRIM_AFTER_BYTES for frame in frames):
+            self.heap_to_trim = True
+
     def send(self, frames: list) -> None:
         """Sends one message to the front (frames: header, then payloads)."""
+        self.note_sizes(frames)
         protocol.send_frames(self.socket, frames)
 
     def receive_queued(self) -> None:
@@ -161,6 +177,7 @@ class Worker:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
             messages.append((header, [frame.buffer for frame in payloads]))
+            self.note_sizes(payloads)
             # Other models gain nothing from seeing the queue, and the next poll looks anyway.
             if not self.models.batches_rows or not protocol.readable(self.socket):
                 break
@@ -169,7 +186,9 @@ class Worker:
     def forward_replies(self) -> None:
         """Passes the reply the poll found, and any other the call threads finished, on to the front."""
         while True:
-            self.socket.send_multipart(self.replies.recv_multipart(copy=False), copy=False)
+            reply = self.replies.recv_multipart(copy=False)
+            self.note_sizes(reply)
+            self.socket.send_multipart(reply, copy=False)
             if not protocol.readable(self.replies):
                 break
 

@@ -17,13 +17,14 @@ import importlib
 import os
 import sys
 
-from plumbing import lifeline, logsetup, titles
+from plumbing import heap, lifeline, logsetup, titles
 from workers import formats, protocol
 from workers.formats import warming
 
 
 def _preload() -> None:
     lifeline.die_with_parent(expected_parent=None)
+    heap.keep_big_buffers()  # before a framework starts a thread; every worker inherits it
     group = os.environ.get(protocol.FORKSERVER_GROUP_ENV, "base")
     titles.set_title(f"forkserver {group}", os.environ.get(titles.RUNTIME_DIR_ENV, ""))
     # Workers compare their parent with this pid to close the race between
