@@ -1,6 +1,6 @@
 """The data-plane benchmark's plan: its cases, their order and rounds, and the run of them all.
 
-Cases (each at concurrency 1 and 16, driven by h2load; see bench/h2load.py for how a point is
+Cases (each at concurrency 1, 8 and 16, driven by h2load; see bench/h2load.py for how a point is
 measured and checked):
   (a) bench/canned_server.py: a bare grpc.aio server answering every call
       with fixed response bytes (the ceiling of a Python front),
@@ -59,11 +59,11 @@ from bench.payloads import (
     mesh_header_lines,
     small_request,
 )
-from bench.report import print_dataplane, targets
+from bench.report import per_call_targets, print_dataplane, targets
 from bench.servers import RUNTIME_ENV, Canned, MLServer, load_iris_model, stop_runtime, train_iris
 from meshtest import harness
 
-CONCURRENCY = (1, 16)
+CONCURRENCY = (1, 8, 16)
 CASE_A, CASE_B, CASE_C = "(a) grpc.aio canned", "(b) mesh-runtime echo", "(c) mesh-runtime sklearn"
 CASE_A2 = "(a2) canned via a ZeroMQ hop"
 CASE_A_UVLOOP = "(a') grpc.aio canned, uvloop"
@@ -299,6 +299,7 @@ def run(
     else:
         print(f"data-plane files kept: {folder}", file=sys.stderr)
     figures["targets"] = targets(figures["points"], peer)
+    figures["per_call_targets"] = per_call_targets(figures["points"])
     return figures, ok
 
 

@@ -156,6 +156,77 @@ def targets(points: list[dict], peer: str | None) -> list[dict]:
     return rows
 
 
+# (measure, what is compared, (case, reference case), payload, concurrency, target, passes)
+PER_CALL_TARGETS = (
+    ("echo CPU per call, FP32 [1,4], c=1", "cpu", ("(b)", "(a2)"), SMALL, 1, "<= 1.1x one hop", 1.1),
+    ("echo CPU per call, FP32 [1,4], c=8", "cpu", ("(b)", "(a2)"), SMALL, 8, "<= 1.1x one hop", 1.1),
+    ("echo CPU per call, FP32 [1,4], c=8", "cpu", ("(b)", "(a)"), SMALL, 8, "<= 1.5x bare", 1.5),
+    ("echo page faults per call, 1 MiB, c=1", "faults", ("(b)", "(a)"), BIG, 1, "< 50", 50),
+    ("echo page faults per call, 1 MiB, c=8", "faults", ("(b)", "(a)"), BIG, 8, "< 50", 50),
+    ("echo req/s, 1 MiB, c=1", "req_s", ("(b)", "(a)"), BIG, 1, ">= 0.6x bare", 0.6),
+    ("echo req/s, 1 MiB, c=8", "req_s", ("(b)", "(a)"), BIG, 8, ">= 0.6x bare", 0.6),
+    ("iris req/s, FP32 [1,4], c=8", "req_s", ("(c)", "(d)"), SMALL, 8, ">= 3x MLServer", 3),
+    ("iris req/s, FP32 [1,4], c=16", "req_s", ("(c)", "(d)"), SMALL, 16, ">= 3x MLServer", 3),
+)
+_PER_CALL_FIELDS = {"cpu": "server_cpu_us_per_req", "faults": "page_faults_per_req", "req_s": "req_s"}
+
+
+def per_call_targets(points: list[dict]) -> list[dict]:
+    """CPU per call against the one-hop and bare servers, page faults and req/s with 1 MiB against the
+    bare server, iris against MLServer: each row with both figures, their ratio and its verdict.
+
+    CPU passes at or below its bound (a ratio), faults below theirs (a count, the reference's beside
+    it), req/s at or above its bound (a ratio).
+    """
+    rows = []
+    for measure, what, (case, reference), payload, c, target, bound in PER_CALL_TARGETS:
+        ours, theirs = _find(points, case, payload, c), _find(points, reference, payload, c)
+        row = {"measure": measure, "case": case, "reference": reference, "target": target}
+        field = _PER_CALL_FIELDS[what]
+        if ours is None or theirs is None or field not in ours or field not in theirs:
+            row.update(value=None, ratio=None, verdict="n/a", why=f"no {case} or {reference} point")
+            rows.append(row)
+            continue
+        value, other = ours[field], theirs[field]
+        ratio = value / other if other else None
+        if what == "faults":
+            ok = value < bound
+        elif what == "cpu":
+            ok = ratio is not None and ratio <= bound
+        else:
+            ok = ratio is not None and ratio >= bound
+        row.update(value=value, other=other, ratio=ratio, verdict=verdict(ok))
+        rows.append(row)
+    return rows
+
+
+def _per_call_cell(what: str, value: float) -> str:
+    return {"cpu": f"{value:,.0f} us", "faults": f"{value:,.1f}", "req_s": f"{value:,.0f}"}[what]
+
+
+def print_per_call(rows: list[dict]) -> None:
+    whats = {measure: what for measure, what, *_ in PER_CALL_TARGETS}
+    table = []
+    for row in rows:
+        what = whats[row["measure"]]
+        if row["value"] is None:
+            table.append((row["measure"], "n/a", "", "", row["target"], f"n/a ({row['why']})"))
+            continue
+        table.append(
+            (
+                row["measure"],
+                f"{row['case']} {_per_call_cell(what, row['value'])}",
+                f"{row['reference']} {_per_call_cell(what, row['other'])}",
+                "" if row["ratio"] is None else f"{row['ratio']:.2f}x",
+                row["target"],
+                row["verdict"],
+            )
+        )
+    print()
+    print("per call: CPU, big tensors, iris against MLServer (figures of the points above)")
+    _table(("measure", "mesh-runtime", "reference", "ratio", "target", ""), table)
+
+
 def print_dataplane(figures: dict) -> None:
     print()
     rounds = f", median of {figures['rounds']} rounds" if figures["rounds"] > 1 else ""
@@ -209,6 +280,7 @@ def print_dataplane(figures: dict) -> None:
             for t in figures["targets"]
         ],
     )
+    print_per_call(figures["per_call_targets"])
     print(
         "\nsrv cpu/req: CPU time of the server's processes per request (mesh-runtime: front, fork server and "
         "workers); faults/req: their page faults per request (/proc/PID/stat); other cpu: what the rest "
