@@ -37,17 +37,19 @@ def timed(call) -> float:
 
 
 def pool_settled(rt: harness.Runtime) -> bool:
-    return len(harness.alive(rt.spares())) == WARM and len(rt.workers()) == WARM
+    """WARM idle spares per fork server, and no other worker."""
+    wanted = rt.spares_wanted(WARM)
+    return len(harness.alive(rt.spares())) == wanted and len(rt.workers()) == wanted
 
 
 def wait_settled(rt: harness.Runtime, timeout: float = 30.0) -> None:
-    """WARM idle spares and nothing else, still so 100 ms later (time for the spares' hello)."""
+    """Settled (pool_settled), still so 100 ms later (time for the spares' hello)."""
     deadline = time.monotonic() + timeout
     while True:
         harness.wait_until(
             lambda: pool_settled(rt),
             timeout=max(0.1, deadline - time.monotonic()),
-            what=f"{WARM} idle spares",
+            what=f"{WARM} idle spares per fork server",
         )
         time.sleep(0.1)
         if pool_settled(rt):
