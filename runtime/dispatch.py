@@ -40,6 +40,7 @@ class Dispatcher:
     async def call(self, model_id: str, method: str, request: bytes, timeout: float | None) -> bytes:
         """Forwards a request's bytes to one of the model's workers and returns the response bytes."""
         model = self.supervisor.ready_model(model_id)
+        model.called = True  # a load sent to its pack after this waits behind the call, not before
         self.budget.reserve(model_id, len(request))
         try:
             worker, reply, frames = await self._run(model, method, request, timeout)

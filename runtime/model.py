@@ -43,6 +43,7 @@ class Model:
         self.replicas = ReplicaSet(spec.model_id, slots, settings.model_queue_max)
         self.size = 0
         self.packed = False  # it lives in packs (runtime/packs.py), not in workers of its own
+        self.called = False  # a call has been sent to one of its workers
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task[int] | None = None  # resolves to the measured size
         self.heal_task: asyncio.Task | None = None

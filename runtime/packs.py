@@ -4,6 +4,11 @@ With MODELS_PER_WORKER > 1 (the default), a model whose predicted size
 without its format's floor (bytes on disk x MODELSIZE_MULTIPLIER) is below
 MODEL_PACK_MAX_BYTES goes into the fullest pack of its format that has room,
 or into a spare that becomes a new pack. Each replica goes into another pack.
+A load does not queue behind another: while every pack with room is loading,
+a spare becomes another pack, up to FILLING_PACKS_MAX packs of a format with
+room. Nor does it go to a pack whose last model waits for its first call
+while another has room: model-mesh sends that call the moment loadModel
+returns, and a load sent before it would hold it up.
 
 Every load into a pack and every drop from it runs alone (the pack's lock).
 A new pack loads its first model twice, the first time dropped at once, and
@@ -35,8 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from runtime import memory
+from runtime import forkserver, memory
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
@@ -66,6 +72,10 @@ PER_MODEL_BYTES = DROP_LEFTOVER_BYTES + memory.FRONT_MODEL_BYTES
 PACKED_PREDICTION_MIN_BYTES = 256 * 1024
 # A pack's base, predicted in floors of its format before any pack of it has measured one.
 PREDICTED_BASE_PER_FLOOR = 2
+# Packs of one format taking models at once: model-mesh loads two models at a time by default.
+FILLING_PACKS_MAX = 2
+# How long a model just loaded is taken to wait for its first call, when none comes.
+FIRST_CALL_WAIT_SECONDS = 1.0
 
 
 class Pack:
@@ -81,6 +91,17 @@ class Pack:
         self.abandoned = False  # a load was given up while the pack may still run it
         self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
         self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
+        self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
+        self.last_loaded_at = 0.0
+
+    def preference(self, now: float) -> tuple[bool, bool, int]:
+        """Packs that take a model sort by this: free of loads, then of first calls due, then fullest."""
+        return (not self.lock.locked(), not self.awaits_first_call(now), len(self.members))
+
+    def awaits_first_call(self, now: float) -> bool:
+        """Its last model is just loaded and yet to be called: a load sent now would delay that call."""
+        last = self.last_loaded
+        return last is not None and not last.called and now - self.last_loaded_at < FIRST_CALL_WAIT_SECONDS
 
 
 class Packs:
@@ -160,13 +181,20 @@ class Packs:
             and model.model_id not in pack.members
             and len(pack.members) < self.settings.models_per_worker
         ]
-        if fits:
-            # The fullest free one: fewer processes in all, and two loads at once do not queue.
-            pack = max(fits, key=lambda p: (not p.lock.locked(), len(p.members)))
+        loading = all(pack.lock.locked() for pack in fits)
+        if fits and not (loading and len(fits) < FILLING_PACKS_MAX and self._spare_ready(format_name)):
+            # The fullest one that no load holds and no first call waits on: fewer processes in all.
+            now = time.monotonic()
+            pack = max(fits, key=lambda p: p.preference(now))
         else:
             pack = self.new_pack(await self.pool.take(format_name), format_name)
         pack.members[model.model_id] = model
         return pack
+
+    def _spare_ready(self, format_name: str) -> bool:
+        """An idle spare could become a pack of the format now, with no fork to wait for."""
+        group = forkserver.group_for(format_name, self.settings.worker_preload)
+        return any(worker.group == group for worker in self.pool.spares())
 
     async def _load_into(self, pack: Pack, model: Model) -> tuple[dict, int]:
         """Holding the pack's lock: load, measured from outside before and after."""
@@ -185,6 +213,7 @@ class Packs:
             return await self._failed(pack, model, reply, left=added)
         pack.grown[model.model_id] = max(0, added)
         measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        pack.last_loaded, pack.last_loaded_at = model, time.monotonic()
         return reply, self._charge(pack, model.model_id, measured)
 
     async def rehearse(self, pack: Pack, model: Model) -> dict:

@@ -31,7 +31,7 @@ from runtime.healing import Healer
 from runtime.metrics import Metrics
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
-from runtime.packs import Packs
+from runtime.packs import FILLING_PACKS_MAX, Packs
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
@@ -107,10 +107,10 @@ class Supervisor:
         return self.capacity_bytes
 
     def open_packs_reserve(self) -> int:
-        """With packs, one pack per format may be open and not yet full: its base is only partly
-        in its models' sizes (runtime/packs.py), and model-mesh reads capacity once, so the base
-        of one such pack per installed format is held back. A base is a spare and what the
-        pack's first load wrote: PACK_BASE_PER_SPARE spares' cost. Blocking (reads /proc)."""
+        """With packs, FILLING_PACKS_MAX packs per format may be open and not yet full: their base is
+        only partly in their models' sizes (runtime/packs.py), and model-mesh reads capacity once,
+        so the bases of that many packs per installed format are held back. A base is a spare and
+        what the pack's first load wrote: PACK_BASE_PER_SPARE spares' cost. Blocking (reads /proc)."""
         if self.settings.models_per_worker <= 1:
             return 0
         spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
@@ -118,7 +118,7 @@ class Supervisor:
         installed = [
             f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
         ]
-        return spare * len(installed)
+        return spare * len(installed) * FILLING_PACKS_MAX
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""

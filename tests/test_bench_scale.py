@@ -32,9 +32,12 @@ def test_the_scale_benchmark_measures_a_few_python_models_from_outside(
         assert step["processes"] >= (1 if packed else step["models"]) + 2
         assert step["front_fds"] > 0 and step["idle_cpu_percent"] >= 0
     faults = system["faults"]  # at the last step: fewer than FAULTS_AT models were asked for
-    models_killed = 4 if packed else 1  # the one pack holds all four
     assert faults["models"] == 4 and faults["killed"] == 1
-    assert faults["models_killed"] == faults["answering_again"] == models_killed
+    assert faults["models_killed"] == faults["answering_again"]
+    if packed:  # two loads at once go to two packs: the killed one held some of the four
+        assert 1 <= faults["models_killed"] <= 4
+    else:
+        assert faults["models_killed"] == 1
     assert faults["calls"] > 0 and faults["unexpected_calls"] == 0
     assert faults["slowest_call_s"] < faults["deadline_s"] and faults["heal_s"] > 0
     if packed:

@@ -64,7 +64,7 @@ class ScriptedPool:
 def model(model_id: str):
     fmt = types.SimpleNamespace(name="python", first_calls_bytes=FIRST_CALLS)
     spec = types.SimpleNamespace(format=fmt, path="/m")
-    return types.SimpleNamespace(model_id=model_id, spec=spec, workers=[], ready=True)
+    return types.SimpleNamespace(model_id=model_id, spec=spec, workers=[], ready=True, called=False)
 
 
 def load_all(monkeypatch, adds: dict[str, int]) -> tuple[dict[str, int], ScriptedPool]:

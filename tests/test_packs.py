@@ -371,3 +371,34 @@ def test_capacity_holds_back_the_base_of_one_open_pack_per_format():
     # Six formats, the base of a pack (two spares' cost, a spare about 4 MiB) each: a pack not
     # yet full is counted in capacity.
     assert without_packs - with_packs > 40 * MiB, (without_packs, with_packs)
+
+
+def pack_of(rt: Runtime, model_id: str) -> int:
+    """The pid of the pack that holds the model (inspect-workers)."""
+    (pid,) = [
+        row["pid"]
+        for row in inspected(rt)["workers"]
+        if row["role"] == "pack" and model_id in {m["model"] for m in row["models"]}
+    ]
+    return pid
+
+
+def test_a_load_neither_queues_behind_another_nor_goes_where_a_first_call_is_due():
+    with packed(WORKERS_WARM="2") as rt:
+        rt.load("first", rt.model_dir("first"))
+        wait_until(lambda: len(alive(rt.spares())) == 2, timeout=30, what="two spares")
+        slow = rt.load_future("slow", rt.model_dir("slow", SLOW_MODEL))
+        wait_until(
+            lambda: any("models=2" in " ".join(p.cmdline()) for p in alive(rt.packs())),
+            what="the slow load to start in the first pack",
+        )
+        rt.load("quick", rt.model_dir("quick"))
+        assert not slow.done(), "the quick load did not wait for the slow one"
+        assert pack_of(rt, "quick") != pack_of(rt, "first")
+        slow.result(timeout=30)
+        assert pack_of(rt, "slow") == pack_of(rt, "first")
+        assert answers(rt, "quick")  # slow is just loaded and not yet called: its pack is passed over
+        rt.load("third", rt.model_dir("third"))
+        assert pack_of(rt, "third") == pack_of(rt, "quick")
+        assert len(pack_pids(rt)) == 2
+        assert all(answers(rt, m) for m in ("first", "slow", "quick", "third"))
