@@ -1,8 +1,8 @@
 """The model life cycle's measurements, on one runtime with WORKERS_WARM=2.
 
 1. Load latency from a warm spare: `loads` times, wait until the pool is settled (2 idle
-   spares and no model worker, stable for 100 ms), time loadModel of the tiny echo model end
-   to end from the client, unload it. Unload time is measured too.
+   spares per fork server and no model worker, stable for 100 ms), time loadModel of the tiny
+   echo model end to end from the client, unload it. Unload time is measured too.
 2. Idle worker USS: each idle spare's USS once the pool settled and idled 1 s.
 3. Memory returned after unload: settled tree USS before loading a model that allocates
    300 MiB, after loading it, and after unloading and re-settling; and the sizeInBytes the
