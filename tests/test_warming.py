@@ -144,3 +144,59 @@ def test_a_failing_warm_up_is_reported_and_the_forkserver_serves_on(tmp_path):
         assert psutil.Process(forkserver_pids(runtime)["sklearn"]).is_running()
         labels = outputs_of(infer(runtime, "iris", make_examples.SAMPLE))["predict"]
         assert list(labels) == [0, 2]
+
+
+# The fork server's step after the warm-ups, in a fresh interpreter; argv[1] "hang" replaces the
+# formats' touches with one that never returns, and a short deadline.
+TOUCH_SEQUENCE = """
+    import importlib, json, os, sys, time
+    from workers import formats
+    from workers.formats import warming
+
+    warming.limit_thread_pools()
+    import numpy
+    if sys.argv[1] == "hang":
+        warming._touches_of_imported_formats = lambda: [("stuck", lambda: time.sleep(600))]
+        warming.TOUCH_CHILD_SECONDS = 0.5
+    else:
+        importlib.import_module("torch")
+    for fmt in formats.FORMATS:
+        importlib.import_module(fmt.module)
+    warming.warm_imported()
+    before = len(os.listdir("/proc/self/task"))
+    ran = warming.touch_compute_code_in_a_child()
+    after = len(os.listdir("/proc/self/task"))
+    try:
+        os.waitpid(-1, os.WNOHANG)
+        children = True
+    except ChildProcessError:
+        children = False
+    print(json.dumps({"ran": ran, "before": before, "after": after, "children": children}))
+"""
+
+
+def touch_sequence(mode: str) -> tuple[dict, str]:
+    sequence = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TOUCH_SEQUENCE), mode],
+        cwd=REPO,
+        env={**os.environ, "WORKER_THREADS": "2"},  # torch's ops would start a pool in this process
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(sequence.stdout), sequence.stderr
+
+
+def test_the_first_tensor_ops_run_in_a_child_that_is_reaped():
+    pytest.importorskip("torch", reason="pip install 'mesh-runtime[pytorch]'")
+    result, stderr = touch_sequence("torch")
+    assert result["ran"], stderr
+    assert result["after"] <= result["before"], result  # the fork server started no thread
+    assert not result["children"], result
+
+
+def test_a_child_whose_tensor_ops_hang_is_killed_reaped_and_reported():
+    result, stderr = touch_sequence("hang")
+    assert not result["ran"] and not result["children"], result
+    assert "the child running the first tensor ops took over 0.5 s; killed" in stderr

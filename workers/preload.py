@@ -42,6 +42,7 @@ def _preload() -> None:
         except Exception as error:  # a broken optional framework must not stop the pool
             print(f"mesh-runtime forkserver: cannot preload {name}: {error}", file=sys.stderr)
     warming.warm_imported()
+    warming.touch_compute_code_in_a_child()
     gc.collect()
     _fill_heap_holes()
     gc.freeze()

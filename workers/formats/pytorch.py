@@ -46,6 +46,30 @@ def warm() -> None:
         torch.jit.load(saved, map_location="cpu")(1)
 
 
+def touch_compute_code() -> None:
+    """A throwaway child of the fork server (warming.py): the tensor ops of a small model's first calls.
+
+    Runs a scripted module of the commonest layers once, on the executor the
+    calls run, so that the code of their CPU kernels is in the page cache
+    before the first model loads.
+    """
+    import torch
+
+    class SmallNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hidden = torch.nn.Linear(4, 8)
+            self.out = torch.nn.Linear(8, 3)
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            scores = self.out(torch.relu(self.hidden(features)))
+            return torch.cat([torch.softmax(scores, dim=1), torch.sigmoid(scores)], dim=1).argmax(dim=1)
+
+    module = torch.jit.script(SmallNet().eval())
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        module(torch.zeros((2, 4)))
+
+
 class TorchScriptModel:
     handles_methods = False
 

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import time
 
+from plumbing import lifeline
 from workers import formats
 
 # Read by OpenMP (xgboost, lightgbm, torch, scikit-learn), OpenBLAS (numpy,
@@ -74,3 +77,65 @@ def _thread_count() -> int:
 def _report(message: str) -> None:
     # As workers/preload.py reports a failed import: on stderr, which the fork server shares with the front.
     print(f"mesh-runtime forkserver: {message}", file=sys.stderr)
+
+
+# A child that runs the frameworks' first tensor ops is killed if it has not exited by then.
+TOUCH_CHILD_SECONDS = 30.0
+
+
+def touch_compute_code_in_a_child() -> bool:
+    """Runs each imported format's `touch_compute_code()` in a throwaway child, and reaps it.
+
+    A framework's first tensor op runs kernels that no import touched, and the
+    kernel reads their code from disk into the page cache, charging it to the
+    memory cgroup of the process that faults it in first. Left to the first
+    worker that serves a model, that charge comes after the runtime's own cost
+    was counted and lands in no model's size. A child of the fork server pays
+    it at start instead, into the runtime's own cost; it may start thread pools,
+    as it exits before the fork server forks any worker. False if it failed or hung.
+    """
+    touches = _touches_of_imported_formats()
+    if not touches:
+        return True
+    forkserver = os.getpid()
+    child = os.fork()
+    if child == 0:
+        _run_touches_and_exit(touches, forkserver)
+    return _reap_within(child, TOUCH_CHILD_SECONDS)
+
+
+def _touches_of_imported_formats() -> list:
+    touches = []
+    for fmt in formats.FORMATS:
+        if fmt.framework is not None and fmt.framework in sys.modules:
+            touch = getattr(importlib.import_module(fmt.module), "touch_compute_code", None)
+            if touch is not None:
+                touches.append((fmt.name, touch))
+    return touches
+
+
+def _run_touches_and_exit(touches: list, forkserver: int) -> None:
+    status = 0
+    try:
+        lifeline.die_with_parent(expected_parent=forkserver)
+        for name, touch in touches:
+            try:
+                touch()
+            except Exception as error:
+                _report(f"cannot run {name}'s first tensor ops at start: {type(error).__name__}: {error}")
+                status = 1
+    finally:
+        os._exit(status)  # no atexit handler, no flush of the fork server's buffers
+
+
+def _reap_within(child: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid == child:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.005)
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    _report(f"the child running the first tensor ops took over {seconds:g} s; killed")
+    return False
