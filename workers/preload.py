@@ -6,7 +6,8 @@ is that list's only entry. It ties the fork server's life to the front's
 of WORKER_PRELOAD (the modules that are not frameworks, plus its own
 framework: runtime/forkserver.py) and the worker's own code so that a new worker starts
 in milliseconds, warms each imported format (workers/formats/warming.py) so
-that a worker's first load and call find it done, fills the holes in its
+that a worker's first load and call find it done, runs the frameworks' first
+tensor ops in a throwaway child (their code's page cache), fills the holes in its
 malloc heap, then freezes the garbage collector's view of those objects so
 that collections in the workers do not touch (and so copy) the shared pages.
 """

@@ -53,15 +53,23 @@ def openmp_is_single_threaded() -> bool:
 
 def warm_imported() -> None:
     """Runs warm() of each format whose framework is imported; a failure is reported, never raised."""
-    for fmt in formats.FORMATS:
-        if fmt.framework is None or fmt.framework in sys.modules:
-            _warm(fmt)
+    for fmt in _imported_formats():
+        _warm(fmt)
+
+
+def _imported_formats() -> list[formats.Format]:
+    return [f for f in formats.FORMATS if f.framework is None or f.framework in sys.modules]
+
+
+def _hook(fmt: formats.Format, name: str):
+    """The format module's optional function `name`, or None."""
+    return getattr(importlib.import_module(fmt.module), name, None)
 
 
 def _warm(fmt: formats.Format) -> None:
     threads = _thread_count()
     try:
-        warm = getattr(importlib.import_module(fmt.module), "warm", None)
+        warm = _hook(fmt, "warm")
         if warm is not None:
             warm()
     except Exception as error:  # a broken framework must not stop the fork server
@@ -106,11 +114,14 @@ def touch_compute_code_in_a_child() -> bool:
 
 def _touches_of_imported_formats() -> list:
     touches = []
-    for fmt in formats.FORMATS:
-        if fmt.framework is not None and fmt.framework in sys.modules:
-            touch = getattr(importlib.import_module(fmt.module), "touch_compute_code", None)
-            if touch is not None:
-                touches.append((fmt.name, touch))
+    for fmt in _imported_formats():
+        try:
+            touch = _hook(fmt, "touch_compute_code")
+        except Exception as error:  # reported already by the preload's import; nothing to run
+            _report(f"cannot import {fmt.module}: {type(error).__name__}: {error}")
+            continue
+        if touch is not None:
+            touches.append((fmt.name, touch))
     return touches
 
 
