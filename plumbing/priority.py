@@ -11,6 +11,12 @@ the middle of a turn. Workers ask for SCHED_BATCH, which drops that wake-up
 preemption and nothing else: same nice level, same share of the CPU, and an
 idle CPU still takes a waking worker at once. The front starts grpc's threads
 the same way (runtime/server.py).
+
+A pack loads its models on a thread of SCHED_IDLE (workers/holding.py): any
+other thread that wakes on that CPU preempts it at once, so a load never
+delays a call, even the first call of the model loaded just before it. A
+thread may enter SCHED_IDLE without privilege but may not leave it, so the
+loads get a thread of their own that stays there.
 """
 
 import contextlib
@@ -38,6 +44,20 @@ def schedule_as_batch_work() -> bool:
     """
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        return True
+    except OSError:
+        return False
+
+
+def schedule_this_thread_as_idle_work() -> bool:
+    """SCHED_IDLE for the calling thread only, and for the threads it starts; False if refused.
+
+    It runs only when no other thread wants its CPU (the kernel gives it a
+    sliver, so it is slowed, never stopped). Leaving SCHED_IDLE needs
+    CAP_SYS_NICE, so call it only on a thread that stays idle work.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         return True
     except OSError:
         return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import pytest
 from harness import ECHO_MODEL, write_model
@@ -45,3 +47,30 @@ def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo):
     failed = load(holdings, "b", broken, pack=True)
     assert failed["error"] == protocol.ERROR_LOAD and "no" in failed["message"]
     assert list(holdings.by_id) == ["a"]
+
+
+# Records the scheduling policy of the thread that loads it.
+POLICY_RECORDING_MODEL = """
+    import os
+
+    class Model:
+        def __init__(self, path):
+            self.policy = os.sched_getscheduler(0)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_pack_loads_on_a_thread_of_idle_priority_and_a_worker_of_its_own_does_not(tmp_path):
+    path = write_model(str(tmp_path / "recorder"), POLICY_RECORDING_MODEL)
+    pack = Holdings(batch_max=1, idle_pack_loads=True)
+    assert load(pack, "a", path, pack=True)["ok"] and load(pack, "b", path, pack=True)["ok"]
+    assert {pack.find(m).model._model.policy for m in ("a", "b")} == {os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE, "the calling thread keeps its policy"
+    own = Holdings(batch_max=1, idle_pack_loads=True)
+    assert load(own, "c", path, pack=False)["ok"]
+    assert own.find("c").model._model.policy == os.sched_getscheduler(0)
+    unprioritised = Holdings(batch_max=1)  # WORKER_THREADS > 1: a load's thread pools would inherit it
+    assert load(unprioritised, "d", path, pack=True)["ok"]
+    assert unprioritised.find("d").model._model.policy != os.SCHED_IDLE

@@ -9,17 +9,29 @@ model up per call; a call for a model it does not hold answers NOT_LOADED.
 the heap they used goes back to the OS (gc, then malloc_trim), so that the
 front, measuring the pack from outside before and after, sees what the model
 gave back. A drop in a worker of its own is never sent: the front kills it.
+
+A pack loads on a thread of its own at idle priority (plumbing/priority.py),
+while its main thread waits for it: the pack's calls wait for the load as
+before, but every other process's calls preempt it. model-mesh loads two
+models at a time and calls each as soon as its load returns, so on a busy
+machine the first call of one model would otherwise wait for a core behind
+the other model's load. Only where the frameworks run each call on the
+thread that makes it (WORKER_THREADS=1): a thread pool a load started would
+inherit the idle priority for good. A worker of its own loads on its main
+thread: its model may take seconds of CPU to load, which idle priority
+could stretch past the load timeout on a saturated machine.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import logging
 import time
 from typing import Any
 
-from plumbing import heap, titles
+from plumbing import heap, priority, titles
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
@@ -34,8 +46,10 @@ class Held:
 
 
 class Holdings:
-    def __init__(self, batch_max: int):
+    def __init__(self, batch_max: int, idle_pack_loads: bool = False):
         self.batch_max = batch_max
+        self.idle_pack_loads = idle_pack_loads
+        self._idle_loader: concurrent.futures.ThreadPoolExecutor | None = None  # started by a first load
         self.by_id: dict[str, Held] = {}
         self.packed = False  # every load so far said `pack`
         self.batches_rows = False  # some held model batches rows: take every queued message
@@ -58,7 +72,7 @@ class Holdings:
         self._title(extra=model_id)
         started = time.monotonic()
         try:
-            model = formats.load(header["format"], header["path"])
+            model = self._load(header["format"], header["path"])
         except Exception as error:
             log.warning(
                 "load of %s failed: %s: %s",
@@ -81,6 +95,16 @@ class Holdings:
             extra={"model_id": model_id},
         )
         return [protocol.reply(request_id)]
+
+    def _load(self, format_name: str, path: str) -> Any:
+        """The loaded model: on the idle loader thread in a pack (see above), else on this thread."""
+        if not (self.packed and self.idle_pack_loads):
+            return formats.load(format_name, path)
+        if self._idle_loader is None:
+            self._idle_loader = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="load", initializer=_become_idle_work
+            )
+        return self._idle_loader.submit(formats.load, format_name, path).result()
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
@@ -115,3 +139,8 @@ class Holdings:
             titles.set_title(f"worker model={names[0]}" if names else "worker")
         else:
             titles.set_title(f"pack models={len(names)}")
+
+
+def _become_idle_work() -> None:
+    if not priority.schedule_this_thread_as_idle_work():
+        log.warning("the kernel refused SCHED_IDLE for the load thread; loads may delay other calls")

@@ -83,9 +83,9 @@ class Worker:
         if self.front_exit is not None:
             self.polled.append(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
-        self.models = Holdings(self.batch_max)
-        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         threads = config.get("threads", 1)
+        self.models = Holdings(self.batch_max, idle_pack_loads=threads == 1)
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         if threads > 1:
             self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")
             self.replies = self.context.socket(zmq.PULL)
