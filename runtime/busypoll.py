@@ -6,7 +6,8 @@ front's whole share of a small call. scripts/bench measured an echo call at
 one client: p50 0.99 ms when the loop sleeps between the request and the
 worker's reply, 0.62 ms when it polls through that gap.
 
-How: each request sent to a worker arms the poller for BUSY_POLL_US. While
+How: each call sent to a worker arms the poller for BUSY_POLL_US (a load or a drop,
+which takes milliseconds, does not: runtime/channel.py). While
 it is armed and a reply is due, a callback keeps itself scheduled, so the
 event loop (asyncio's or uvloop's alike) collects ready descriptors without
 blocking instead of sleeping. A front with nothing in flight sleeps at once:

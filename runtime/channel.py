@@ -143,7 +143,8 @@ class Channel:
         except PeerGone as gone:
             self._end(request_id, error=gone)
         else:
-            self.busy_poller.arm()
+            if op == protocol.OP_CALL:  # a load or a drop answers in milliseconds: polling would
+                self.busy_poller.arm()  # only take a core from it, and from the calls meanwhile
         return future
 
     async def request(

@@ -282,7 +282,7 @@ VARIABLES: tuple[Variable, ...] = (
         "BUSY_POLL_US",
         parse.whole_number,
         lambda s: busypoll.default_window_us(),
-        "after a request goes to a worker, the front's event loop polls up to this long while the "
+        "after a call goes to a worker, the front's event loop polls up to this long while the "
         "reply is due, instead of sleeping: waking a halted CPU costs more than a small call "
         "(0: always sleep; under a CPU quota spinning takes the workers' CPU time)",
         parse.at_least(0),

@@ -46,11 +46,13 @@ async def until(condition, seconds: float = 5.0) -> None:
 def run(tmp_path):
     """Runs an async test with a started Channel and a connected FakeWorker."""
 
-    def runner(test):
+    def runner(test, busy_poll_seconds: float = 0.0):
         async def main():
             heard = []
             channel = Channel(
-                f"ipc://{tmp_path}/channel.sock", lambda peer, header: heard.append(header["op"])
+                f"ipc://{tmp_path}/channel.sock",
+                lambda peer, header: heard.append(header["op"]),
+                busy_poll_seconds,
             )
             channel.start()
             worker = FakeWorker(channel.address)
@@ -109,6 +111,20 @@ def test_polling_is_worth_it_only_without_queued_requests(run):
         assert not channel.replies_due_soon()
 
     run(test)
+
+
+def test_only_a_call_sets_the_loop_polling_for_its_reply(run):
+    async def test(channel, worker):
+        load = channel.submit(b"w1", protocol.OP_LOAD, model_id="a", format="python", path="/", pack=True)
+        assert channel.replies_due_soon() and not channel.busy_poller.spinning, "a load answers in ms"
+        worker.answer(worker.take()["id"])
+        await load
+        call = channel.submit(b"w1", protocol.OP_CALL, [b"x"], method="m", deadline=None)
+        assert channel.busy_poller.spinning
+        worker.answer(worker.take()["id"])
+        await call
+
+    run(test, busy_poll_seconds=0.01)
 
 
 def test_overdue_request_ends_with_the_given_error(run):
