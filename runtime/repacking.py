@@ -58,28 +58,30 @@ class Repacker:
         moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
         await self._end(pack, reason, started, moved)
 
-    async def compact(self, format_name: str) -> None:
+    async def compact(self, format_name: str) -> bool:
         """Moves the models of the format's emptiest pack into the others once their free places
-        hold them all, and ends it."""
+        hold them all, and ends it; whether it did."""
         if format_name in self._compacting:
-            return
+            return False
         packs = [
             p
             for p in self.packs.of_format(format_name)
             if p.open and p.worker.serving and not p.lock.locked()
         ]
         if len(packs) < 2:
-            return
+            return False
         emptiest = min(packs, key=lambda p: len(p.members))
         others = [p for p in packs if p is not emptiest]
         room = sum(self.packs.settings.models_per_worker - len(p.members) for p in others)
         if room < len(emptiest.members):
-            return
+            return False
         self._compacting.add(format_name)
         try:
             async with emptiest.lock:
                 if emptiest.open and emptiest.worker.serving:
                     await self._into_others(emptiest, others)
+                    return True
+                return False
         finally:
             self._compacting.discard(format_name)
 
@@ -99,13 +101,10 @@ class Repacker:
         loaded: list[Model] = []
         try:
             async with fresh.lock:
-                # Else the first model moved in would be measured with what a first load writes
-                # that later loads reuse, which its drop cannot give back: a recycle again.
-                rehearsal = await self.packs.rehearse(fresh, survivors[0])
-                if not rehearsal["ok"]:
-                    await self._abandon(fresh, f"it could not load {survivors[0].model_id}")
+                loaded = await self._load_all_moved(survivors, old_pack, fresh)
+                if not loaded:
+                    await self._abandon(fresh, "the survivors did not load in it")
                     return 0
-                loaded = [model for model in survivors if await self._load_moved(model, old_pack, fresh)]
                 # Its base is what its models' growth does not cover: measured once, not per model.
                 measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
                 fresh.base_bytes = measured + memory.FRONT_SHARE_BYTES - sum(fresh.growth_charged.values())
@@ -164,16 +163,70 @@ class Repacker:
         before = memory.anonymous(target.worker.pid)
         reply = await self.packs.send_load(target, model)
         if not reply["ok"]:
-            target.members.pop(model_id, None)
-            target.worker.models.discard(model_id)
-            message = reply.get("message")
-            log.error("%s did not load in %r (%s): it heals instead", model_id, target.worker, message)
+            self._not_moved(model, target, reply)
             return False
         target.grown[model_id] = max(0, memory.anonymous(target.worker.pid) - before)
         target.charged[model_id] = source.charged.pop(model_id, 0)
         target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
         source.grown.pop(model_id, None)
         return True
+
+    async def _load_all_moved(self, models: list[Model], source: Pack, target: Pack) -> list[Model]:
+        """Holding the target's lock: loads `models` of `source` into `target` at once, with the sizes
+        they were charged; those that loaded. Their calls still go to `source` (_switch_all).
+
+        The loads are sent before the first reply comes back (but the first into a spare, which
+        makes it a pack), so the pack loads them back to back, and the front reads the pack's
+        memory once, not per model: both would otherwise take CPU from the calls that go on
+        meanwhile. Each model's drop is later checked against what it added in `source`, scaled
+        down if `target` grew by less in all: what `target` grew by also holds what its first
+        load wrote for all (imports, first-use caches), which no drop gives back, so it is not
+        shared among them; it is in the pack's base, measured once they are in."""
+        for model in models:
+            target.members[model.model_id] = model
+        before = memory.anonymous(target.worker.pid)
+        replies: list = []
+        if not target.worker.serving:  # a spare becomes a pack by its first load, alone
+            first = await self.packs.send_load(target, models[0])
+            if not first["ok"]:
+                self._not_moved(models[0], target, first)
+                return []  # a spare whose first load failed takes no other
+            replies.append(first)
+        replies += await asyncio.gather(
+            *(self.packs.send_load(target, model) for model in models[len(replies) :]),
+            return_exceptions=True,
+        )
+        grown = max(0, memory.anonymous(target.worker.pid) - before)
+        failures = [reply for reply in replies if isinstance(reply, BaseException)]
+        if failures:
+            raise failures[0]  # PeerGone: the target stopped taking loads
+        loaded = []
+        for model, reply in zip(models, replies, strict=True):
+            assert isinstance(reply, dict)
+            if reply["ok"]:
+                loaded.append(model)
+            else:
+                self._not_moved(model, target, reply)
+        added_in_source = {m.model_id: source.grown.pop(m.model_id, 0) for m in loaded}
+        total_added = sum(added_in_source.values())
+        # What each added in `source`, never more in all than `target` grew by. Not a share of
+        # that growth: it also holds what a fresh pack's first load writes for all, which no
+        # model's drop gives back (its base, measured after).
+        scale = min(1.0, grown / total_added) if total_added else 0.0
+        for model in loaded:
+            model_id = model.model_id
+            target.grown[model_id] = int(added_in_source[model_id] * scale)
+            target.charged[model_id] = source.charged.pop(model_id, 0)
+            target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
+        return loaded
+
+    @staticmethod
+    def _not_moved(model: Model, target: Pack, reply: dict) -> None:
+        """A model that did not load in `target`: it stays with its old pack, and heals once that goes."""
+        target.members.pop(model.model_id, None)
+        target.worker.models.discard(model.model_id)
+        message = reply.get("message")
+        log.error("%s did not load in %r (%s): it heals instead", model.model_id, target.worker, message)
 
     @staticmethod
     def _switch_all(models: list[Model], source: Pack, target: Pack) -> int:
