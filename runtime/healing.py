@@ -17,6 +17,7 @@ and its neighbours are not.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ class Healer:
         self.metrics = supervisor.metrics
         self.pool = supervisor.pool
         self.packs = supervisor.packs
+        self._reloading_packed: collections.Counter[str] = collections.Counter()  # by format
 
     def on_worker_exit(self, worker: Worker, exit_code: int | None) -> None:
         if worker.packed:
@@ -133,7 +135,21 @@ class Healer:
                 await asyncio.shield(worker.exited)
 
     async def _heal_into_a_pack(self, model: Model) -> None:
-        """One replica of a packed model reloaded into a pack; a failure counts as a crash."""
+        """One replica of a packed model reloaded into a pack; a failure counts as a crash.
+
+        The models of a dead pack all reload at once, into whatever packs have room, new ones
+        among them; once the last of them is in, the format's packs are compacted."""
+        format_name = model.spec.format.name
+        self._reloading_packed[format_name] += 1
+        try:
+            await self._reload_into_a_pack(model)
+        finally:
+            self._reloading_packed[format_name] -= 1
+        if not self._reloading_packed[format_name]:
+            del self._reloading_packed[format_name]
+            await self.packs.compact_all(format_name)
+
+    async def _reload_into_a_pack(self, model: Model) -> None:
         reply: dict = {"ok": False, "message": "the reload did not finish"}
         worker = None
         try:

@@ -288,6 +288,15 @@ class Packs:
                     pack.members.pop(model.model_id, None)
             await self._repacker.compact(pack.format_name)
 
+    async def compact_all(self, format_name: str) -> None:
+        """Compacts the format's packs until their free places no longer hold a whole pack's models.
+
+        After a burst of loads at once (models healing from a dead pack), each load that found
+        every pack with room loading took a spare as a new pack: many packs of a model or two,
+        whose bases their models' sizes do not cover."""
+        while await self._repacker.compact(format_name):
+            pass
+
     async def _take_out(self, pack: Pack, model: Model) -> None:
         """Holding the pack's lock: drop the model, and recycle the pack if it did not shrink enough."""
         model_id = model.model_id
