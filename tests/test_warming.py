@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import psutil
 import pytest
 from harness import REPO, Runtime, tree
@@ -200,3 +201,17 @@ def test_a_child_whose_tensor_ops_hang_is_killed_reaped_and_reported():
     result, stderr = touch_sequence("hang")
     assert not result["ran"] and not result["children"], result
     assert "the child running the first tensor ops took over 0.5 s; killed" in stderr
+
+
+def test_onnx_touches_its_kernels_with_a_graph_written_without_the_onnx_package():
+    onnxruntime = pytest.importorskip("onnxruntime", reason="pip install 'mesh-runtime[onnx]'")
+    from workers.formats import onnx as onnx_format
+
+    graph = onnx_format._small_graph()
+    session = onnxruntime.InferenceSession(graph, providers=["CPUExecutionProvider"])
+    probabilities, label = session.run(None, {"features": np.array([[1, 2, 3, 4]], dtype=np.float32)})
+    assert probabilities.shape == (1, 3) and abs(float(probabilities.sum()) - 1) < 1e-6
+    assert label.dtype == np.int64 and label.shape == (1,)
+    onnx = pytest.importorskip("onnx", reason="the examples' extra brings the onnx package")
+    onnx.checker.check_model(onnx.load_from_string(graph))
+    onnx_format.touch_compute_code()
