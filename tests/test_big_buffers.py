@@ -84,4 +84,8 @@ def test_a_1_mib_call_after_small_ones_barely_faults_and_the_heap_it_used_comes_
         def heaps_given_back() -> bool:
             return uss(runtime.pid) < front_before + 2 * MiB and uss(worker.pid) < worker_before + 2 * MiB
 
-        wait_until(heaps_given_back, timeout=15, interval=0.2, what="the front and worker to trim")
+        try:
+            wait_until(heaps_given_back, timeout=15, interval=0.2, what="the front and worker to trim")
+        except AssertionError as error:
+            front, kept = (uss(runtime.pid) - front_before) / MiB, (uss(worker.pid) - worker_before) / MiB
+            raise AssertionError(f"{error}: front +{front:.1f} MiB, worker +{kept:.1f} MiB") from None
