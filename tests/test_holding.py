@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import types
 
 import msgpack
 import pytest
 from harness import ECHO_MODEL, write_model
 
-from workers import protocol
+from workers import formats, protocol
 from workers.holding import Holdings
 
 
@@ -49,28 +50,23 @@ def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo):
     assert list(holdings.by_id) == ["a"]
 
 
-# Records the scheduling policy of the thread that loads it.
-POLICY_RECORDING_MODEL = """
-    import os
+def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_else(monkeypatch):
+    policies: list[int] = []
 
-    class Model:
-        def __init__(self, path):
-            self.policy = os.sched_getscheduler(0)
+    def recording_load(format_name: str, path: str):
+        policies.append(os.sched_getscheduler(0))  # of the calling thread alone
+        return types.SimpleNamespace(close=lambda: None)
 
-        def predict(self, inputs):
-            return dict(inputs)
-"""
+    monkeypatch.setattr(formats, "load", recording_load)
 
+    def policy_of(model_id: str, fmt: str, pack: bool, threads: int = 1) -> int:
+        holdings = Holdings(batch_max=1, threads=threads)
+        header = {"id": 1, "model_id": model_id, "format": fmt, "path": "/models/x", "pack": pack}
+        assert msgpack.unpackb(holdings.load(header, [])[0])["ok"]
+        return policies[-1]
 
-def test_a_pack_loads_on_a_thread_of_idle_priority_and_a_worker_of_its_own_does_not(tmp_path):
-    path = write_model(str(tmp_path / "recorder"), POLICY_RECORDING_MODEL)
-    pack = Holdings(batch_max=1, idle_pack_loads=True)
-    assert load(pack, "a", path, pack=True)["ok"] and load(pack, "b", path, pack=True)["ok"]
-    assert {pack.find(m).model._model.policy for m in ("a", "b")} == {os.SCHED_IDLE}
+    assert policy_of("a", "sklearn", pack=True) == os.SCHED_IDLE
     assert os.sched_getscheduler(0) != os.SCHED_IDLE, "the calling thread keeps its policy"
-    own = Holdings(batch_max=1, idle_pack_loads=True)
-    assert load(own, "c", path, pack=False)["ok"]
-    assert own.find("c").model._model.policy == os.sched_getscheduler(0)
-    unprioritised = Holdings(batch_max=1)  # WORKER_THREADS > 1: a load's thread pools would inherit it
-    assert load(unprioritised, "d", path, pack=True)["ok"]
-    assert unprioritised.find("d").model._model.policy != os.SCHED_IDLE
+    assert policy_of("b", "sklearn", pack=False) != os.SCHED_IDLE, "a worker of its own"
+    assert policy_of("c", "sklearn", pack=True, threads=2) != os.SCHED_IDLE, "pools would inherit it"
+    assert policy_of("d", "python", pack=True) != os.SCHED_IDLE, "a custom model's own thread"

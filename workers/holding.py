@@ -10,14 +10,17 @@ the heap they used goes back to the OS (gc, then malloc_trim), so that the
 front, measuring the pack from outside before and after, sees what the model
 gave back. A drop in a worker of its own is never sent: the front kills it.
 
-A pack loads on a thread of its own at idle priority (plumbing/priority.py),
-while its main thread waits for it: the pack's calls wait for the load as
-before, but every other process's calls preempt it. model-mesh loads two
-models at a time and calls each as soon as its load returns, so on a busy
-machine the first call of one model would otherwise wait for a core behind
-the other model's load. Only where the frameworks run each call on the
-thread that makes it (WORKER_THREADS=1): a thread pool a load started would
-inherit the idle priority for good. A worker of its own loads on its main
+A pack loads framework models on a thread of its own at idle priority
+(plumbing/priority.py), while its main thread waits for it: every other
+process's calls preempt the load. model-mesh loads two models at a time and
+calls each as soon as its load returns, so on a busy machine the first call
+of one model would otherwise wait for a core behind the other model's load.
+The price: the pack's own calls wait for the load, and on a saturated
+machine the load takes longer than it did. Only where the frameworks run
+each call on the thread that makes it (WORKER_THREADS=1: a thread pool a
+load started would inherit the idle priority for good), and not for custom
+models, whose constructor may make what only its own thread may use
+(formats.pack_loads_at_idle_priority). A worker of its own loads on its main
 thread: its model may take seconds of CPU to load, which idle priority
 could stretch past the load timeout on a saturated machine.
 """
@@ -46,9 +49,9 @@ class Held:
 
 
 class Holdings:
-    def __init__(self, batch_max: int, idle_pack_loads: bool = False):
+    def __init__(self, batch_max: int, threads: int = 1):
         self.batch_max = batch_max
-        self.idle_pack_loads = idle_pack_loads
+        self.threads = threads  # WORKER_THREADS
         self._idle_loader: concurrent.futures.ThreadPoolExecutor | None = None  # started by a first load
         self.by_id: dict[str, Held] = {}
         self.packed = False  # every load so far said `pack`
@@ -98,7 +101,8 @@ class Holdings:
 
     def _load(self, format_name: str, path: str) -> Any:
         """The loaded model: on the idle loader thread in a pack (see above), else on this thread."""
-        if not (self.packed and self.idle_pack_loads):
+        fmt = formats.by_name(format_name)
+        if not (self.packed and fmt is not None and formats.pack_loads_at_idle_priority(fmt, self.threads)):
             return formats.load(format_name, path)
         if self._idle_loader is None:
             self._idle_loader = concurrent.futures.ThreadPoolExecutor(

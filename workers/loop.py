@@ -84,7 +84,7 @@ class Worker:
             self.polled.append(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
         threads = config.get("threads", 1)
-        self.models = Holdings(self.batch_max, idle_pack_loads=threads == 1)
+        self.models = Holdings(self.batch_max, threads)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         if threads > 1:
             self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")

@@ -41,6 +41,10 @@ class Format:
     # predict() answers each row of its input on its own, so calls that
     # queued up together may share one predict (workers/batching.py).
     batches_rows: bool = False
+    # Its load may run on another thread than its calls (a pack's loader, workers/holding.py):
+    # the framework's objects are not bound to the thread that made them. Not a custom model,
+    # whose constructor may open what only that thread may use (a sqlite connection, say).
+    loads_on_any_thread: bool = True
     # What a worker's first calls add to it, charged in its reported size until
     # it has served one: a spare rehearses the common call path, but not the
     # model's own first predict (docs/density.md). A pack has it in its base:
@@ -84,6 +88,7 @@ FORMATS: tuple[Format, ...] = (
         file_names=("model.py",),
         aliases=("custom", "python3", "mesh-python"),
         size_floor=10 * MiB,
+        loads_on_any_thread=False,
     ),
     # 8.4-8.5 MiB loaded, 8.5 MiB after a call.
     Format(
@@ -163,6 +168,12 @@ def worker_threads() -> int:
         return max(1, int(os.environ.get("WORKER_THREADS", "1")))
     except ValueError:
         return 1  # the front refuses to start on a bad value; be lenient here
+
+
+def pack_loads_at_idle_priority(fmt: Format, threads: int) -> bool:
+    """Whether a pack loads models of `fmt` on its idle-priority thread (workers/holding.py), with
+    WORKER_THREADS = `threads`: not where a thread pool a load starts would inherit that priority."""
+    return fmt.loads_on_any_thread and threads == 1
 
 
 def load(format_name: str, path: str):
