@@ -28,6 +28,7 @@ from runtime import memory, status
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.worker import KillCause, Worker
+from workers import formats
 
 if TYPE_CHECKING:
     from runtime.packs import Pack, Packs
@@ -72,18 +73,28 @@ class Repacker:
             return False
         emptiest = min(packs, key=lambda p: len(p.members))
         others = [p for p in packs if p is not emptiest]
-        room = sum(self.packs.settings.models_per_worker - len(p.members) for p in others)
-        if room < len(emptiest.members):
+        if not self._places_for_all(emptiest, others):
             return False
         self._compacting.add(format_name)
         try:
             async with emptiest.lock:
                 if emptiest.open and emptiest.worker.serving:
-                    await self._into_others(emptiest, others)
-                    return True
+                    return await self._into_others(emptiest, others) > 0
                 return False
         finally:
             self._compacting.discard(format_name)
+
+    def _places_for_all(self, emptiest: Pack, others: list[Pack]) -> bool:
+        """Whether `others` have a free place for every model of `emptiest`, none of them beside a
+        replica of itself: else the models left behind would heal when it ends, and the next
+        compaction end their new pack again."""
+        free = {id(p): self.packs.settings.models_per_worker - len(p.members) for p in others}
+        for model in emptiest.members.values():
+            fits = [p for p in others if free[id(p)] > 0 and p.worker not in model.workers]
+            if not fits:
+                return False
+            free[id(max(fits, key=lambda p: len(p.members)))] -= 1
+        return True
 
     async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack) -> int:
         """Loads the survivors into a fresh pack and moves their calls to it; how many moved.
@@ -124,8 +135,9 @@ class Repacker:
         self.packs.pool.kill(fresh.worker, KillCause.RECYCLED, reason)
         await asyncio.shield(fresh.worker.exited)
 
-    async def _into_others(self, emptiest: Pack, others: list[Pack]) -> None:
-        """Holding the emptiest pack's lock: its models move into the others, and it ends."""
+    async def _into_others(self, emptiest: Pack, others: list[Pack]) -> int:
+        """Holding the emptiest pack's lock: its models move into the others, and it ends; how many
+        moved."""
         started = time.monotonic()
         emptiest.open = False
         movers = [m for model_id, m in emptiest.members.items() if model_id in emptiest.charged and m.ready]
@@ -147,6 +159,7 @@ class Repacker:
         reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
         log.info("%r %s", emptiest.worker, reason)
         await self._end(emptiest, reason, started, moved)
+        return moved
 
     def _room_for(self, model: Model, others: list[Pack]) -> Pack | None:
         """The fullest of `others` with a free place and no replica of the model."""
@@ -172,26 +185,31 @@ class Repacker:
         return True
 
     async def _load_all_moved(self, models: list[Model], source: Pack, target: Pack) -> list[Model]:
-        """Holding the target's lock: loads `models` of `source` into `target` at once, with the sizes
-        they were charged; those that loaded. Their calls still go to `source` (_switch_all).
+        """Holding the target's lock: loads `models` of `source` into `target`, with the sizes they
+        were charged; those that loaded. Their calls still go to `source` (_switch_all).
 
-        The loads are sent before the first reply comes back (but the first into a spare, which
-        makes it a pack), so the pack loads them back to back, and the front reads the pack's
-        memory once, not per model: both would otherwise take CPU from the calls that go on
-        meanwhile. Each model's drop is later checked against what it added in `source`, scaled
-        down if `target` grew by less in all: what `target` grew by also holds what its first
-        load wrote for all (imports, first-use caches), which no drop gives back, so it is not
-        shared among them; it is in the pack's base, measured once they are in."""
+        Where the pack loads at idle priority (workers/holding.py), the loads are sent before the
+        first reply comes back (but the first into a spare, which makes it a pack), so the pack
+        loads them back to back while the calls going on preempt it; else one at a time, so that
+        the calls get a core between them. Either way the front reads the pack's memory once,
+        not per model. Each model's drop is later checked against what it added in `source`,
+        scaled down if `target` grew by less in all: what `target` grew by also holds what its
+        first load wrote for all (imports, first-use caches), which no drop gives back, so it is
+        not shared among them; it is in the pack's base, measured once they are in."""
         for model in models:
             target.members[model.model_id] = model
         before = memory.anonymous(target.worker.pid)
         replies: list = []
-        if not target.worker.serving:  # a spare becomes a pack by its first load, alone
-            first = await self.packs.send_load(target, models[0])
-            if not first["ok"]:
-                self._not_moved(models[0], target, first)
+        at_once = formats.pack_loads_at_idle_priority(
+            models[0].spec.format, self.packs.settings.worker_threads
+        )
+        for model in models:
+            if at_once and target.worker.serving:  # a spare becomes a pack by its first load, alone
+                break
+            replies.append(reply := await self.packs.send_load(target, model))
+            if not reply["ok"] and not target.worker.serving:
+                self._not_moved(model, target, reply)
                 return []  # a spare whose first load failed takes no other
-            replies.append(first)
         replies += await asyncio.gather(
             *(self.packs.send_load(target, model) for model in models[len(replies) :]),
             return_exceptions=True,
