@@ -147,7 +147,8 @@ class Healer:
             self._reloading_packed[format_name] -= 1
         if not self._reloading_packed[format_name]:
             del self._reloading_packed[format_name]
-            await self.packs.compact_all(format_name)
+            # Shielded: unloading this model cancels its heal, which must not stop a move halfway.
+            await asyncio.shield(self.packs.compact_all(format_name))
 
     async def _reload_into_a_pack(self, model: Model) -> None:
         reply: dict = {"ok": False, "message": "the reload did not finish"}

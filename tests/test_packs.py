@@ -312,6 +312,7 @@ def test_the_models_of_killed_packs_heal_into_as_few_packs_as_hold_them():
         wait_until(lambda: len(pack_pids(rt)) == 4, timeout=20, what="fourteen models in four packs of four")
         held = sorted(len(row["models"]) for row in inspected(rt)["workers"] if row["role"] == "pack")
         assert sum(held) == 14 and all(answers(rt, f"m{i}") for i in range(14)), held
+        assert len(full) == 3 and "compacted:" in rt.log(), "the heals were left in more packs at first"
 
 
 def test_inspect_workers_shows_each_pack_with_its_models_and_their_sizes():
@@ -425,3 +426,14 @@ def test_a_load_neither_queues_behind_another_nor_goes_where_a_first_call_is_due
         assert pack_of(rt, "third") == pack_of(rt, "quick")
         assert len(pack_pids(rt)) == 2
         assert all(answers(rt, m) for m in ("first", "slow", "quick", "third"))
+
+
+def test_a_pack_whose_models_have_replicas_in_the_others_is_not_compacted():
+    # Each model's two replicas are in the two packs: neither pack's models can move into the other.
+    with packed(MODEL_REPLICAS="2") as rt:
+        for i in range(3):
+            rt.load(f"m{i}", rt.model_dir(f"m{i}"))
+        first, second = sorted(pack_pids(rt))
+        rt.unload("m2")  # three free places in all, but every model already has a replica beside them
+        assert pack_pids(rt) == {first, second} and "compacted" not in rt.log()
+        assert all(answers(rt, f"m{i}") for i in range(2))
