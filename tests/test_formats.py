@@ -486,3 +486,22 @@ print(anonymous_kib() - before)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
     # Compiling again costs about 17 KiB per model: 270 KiB for these 16.
     assert int(run.stdout.split()[-1]) < 64, run.stdout
+
+
+def test_xgboost_predicts_float_rows_through_the_c_library_as_inplace_predict_does(tmp_path):
+    example = EXAMPLES["xgboost"]
+    if example.missing() or importlib.util.find_spec("sklearn") is None:
+        pytest.skip("needs xgboost and scikit-learn: pip install 'mesh-runtime[xgboost,sklearn]'")
+    example.build(str(tmp_path), make_examples.iris())
+    model = formats.load("xgboost", str(tmp_path))
+    assert model.dense is not None, "the direct path agreed with inplace_predict at load"
+    rows = np.random.default_rng(7).uniform(0, 8, size=(5, 4))
+    for dtype in (np.float32, np.float64):
+        typed = rows.astype(dtype)
+        read_only = np.frombuffer(typed.tobytes(), dtype=dtype).reshape(typed.shape)  # as a request's
+        expected = model.booster.inplace_predict(typed)
+        assert np.array_equal(model.dense.predict(read_only), expected)
+        assert np.array_equal(model.predict({"x": read_only}, {}, [])["predict"], expected)
+    whole = rows.astype(np.int64)  # not a float: inplace_predict serves it
+    expected = model.booster.inplace_predict(whole)
+    assert np.array_equal(model.predict({"x": whole}, {}, [])["predict"], expected)

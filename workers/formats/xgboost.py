@@ -7,6 +7,9 @@ batch of feature rows; the output `predict` is what Booster.predict gives
 
 from __future__ import annotations
 
+import ctypes
+import json
+
 import numpy as np
 
 from workers.formats import common, warming
@@ -44,11 +47,14 @@ class XGBoostModel:
     def __init__(self, booster):
         self.booster = booster
         self.n_features = booster.num_features()
+        self.dense = DensePredictor.for_booster(booster, self.n_features)
         # One row of zeros tells the output's type and shape, which the
         # objective decides; it also warms the predictor up before the first call.
         self.sample = self._predict(np.zeros((1, self.n_features), dtype=np.float32))
 
     def _predict(self, rows: np.ndarray) -> np.ndarray:
+        if self.dense is not None and rows.dtype in DensePredictor.DTYPES:
+            return self.dense.predict(rows)
         # inplace_predict skips building a DMatrix and is safe from several threads.
         return self.booster.inplace_predict(rows)
 
@@ -67,3 +73,72 @@ class XGBoostModel:
 
     def close(self) -> None:
         pass
+
+
+class DensePredictor:
+    """What Booster.inplace_predict does for a float array, without what it rebuilds per call.
+
+    For each call the wrapper encodes the same prediction config as JSON, inspects the input
+    against a dozen data types, and builds a class to wrap the output: for a tiny model three
+    times the C library's own time, and garbage whose pages a pack keeps (docs/density.md). This
+    encodes the config once and calls the same C function, XGBoosterPredictFromDense. It is used
+    only where it agrees with inplace_predict on a row of zeros at load (for_booster); otherwise,
+    and for other dtypes, inplace_predict serves.
+    """
+
+    DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+    _CONFIG = json.dumps(
+        {
+            "type": 0,  # predicted values, not margins
+            "training": False,
+            "iteration_begin": 0,
+            "iteration_end": 0,  # every tree
+            "missing": float("nan"),
+            "strict_shape": False,
+            "cache_id": 0,
+        }
+    ).encode()
+
+    def __init__(self, booster, library, check_call, size_type):
+        self.booster = booster
+        self._library, self._check_call, self._size_type = library, check_call, size_type
+
+    @classmethod
+    def for_booster(cls, booster, n_features: int) -> DensePredictor | None:
+        try:
+            from xgboost import core
+
+            predictor = cls(booster, core._LIB, core._check_call, core.c_bst_ulong)
+            zeros = np.zeros((1, n_features), dtype=np.float32)
+            expected = booster.inplace_predict(zeros)
+            got = predictor.predict(zeros)
+        except Exception:  # another xgboost than the one this was written against
+            return None
+        if got.dtype != expected.dtype or not np.array_equal(got, expected, equal_nan=True):
+            return None
+        return predictor
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        interface = b'{"data": [%d, true], "shape": [%d, %d], "typestr": "%s", "version": 3}' % (
+            rows.ctypes.data,
+            rows.shape[0],
+            rows.shape[1],
+            rows.dtype.str.encode(),
+        )
+        shape = ctypes.POINTER(self._size_type)()
+        dims = self._size_type()
+        values = ctypes.POINTER(ctypes.c_float)()
+        self._check_call(
+            self._library.XGBoosterPredictFromDense(
+                self.booster.handle,
+                interface,
+                self._CONFIG,
+                None,  # no proxy matrix: no base margin
+                ctypes.byref(shape),
+                ctypes.byref(dims),
+                ctypes.byref(values),
+            )
+        )
+        # The values live in the booster's buffer for this thread until its next prediction: copied.
+        return np.ctypeslib.as_array(values, shape=tuple(shape[i] for i in range(dims.value))).copy()
