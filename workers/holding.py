@@ -16,7 +16,9 @@ process's calls preempt the load. model-mesh loads two models at a time and
 calls each as soon as its load returns, so on a busy machine the first call
 of one model would otherwise wait for a core behind the other model's load.
 The price: the pack's own calls wait for the load, and on a saturated
-machine the load takes longer than it did. Only where the frameworks run
+machine the load takes longer than it did, its end too (the main thread,
+woken by the loader's last bytecodes, may preempt it while it still holds
+the interpreter lock, and wait for it to get a core back). Only where the frameworks run
 each call on the thread that makes it (WORKER_THREADS=1: a thread pool a
 load started would inherit the idle priority for good), and not for custom
 models, whose constructor may make what only its own thread may use
