@@ -12,11 +12,11 @@ preemption and nothing else: same nice level, same share of the CPU, and an
 idle CPU still takes a waking worker at once. The front starts grpc's threads
 the same way (runtime/server.py).
 
-A pack loads its models on a thread of SCHED_IDLE (workers/holding.py): any
-other thread that wakes on that CPU preempts it at once, so a load never
-delays a call, even the first call of the model loaded just before it. A
-thread may enter SCHED_IDLE without privilege but may not leave it, so the
-loads get a thread of their own that stays there.
+A pack loads framework models on a thread of SCHED_IDLE (workers/holding.py):
+any other thread that wakes on that CPU preempts it at once, so a load does
+not hold up other workers' calls, the first call of the model loaded just
+before it among them. A thread may enter SCHED_IDLE without privilege but
+may not leave it, so the loads get a thread of their own that stays there.
 """
 
 import contextlib

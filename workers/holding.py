@@ -18,13 +18,15 @@ of one model would otherwise wait for a core behind the other model's load.
 The price: the pack's own calls wait for the load, and on a saturated
 machine the load takes longer than it did, its end too (the main thread,
 woken by the loader's last bytecodes, may preempt it while it still holds
-the interpreter lock, and wait for it to get a core back). Only where the frameworks run
-each call on the thread that makes it (WORKER_THREADS=1: a thread pool a
-load started would inherit the idle priority for good), and not for custom
-models, whose constructor may make what only its own thread may use
-(formats.pack_loads_at_idle_priority). A worker of its own loads on its main
-thread: its model may take seconds of CPU to load, which idle priority
-could stretch past the load timeout on a saturated machine.
+the interpreter lock, and wait for it to get a core back).
+
+Only where the frameworks run each call on the thread that makes it
+(WORKER_THREADS=1: a thread pool a load started would inherit the idle
+priority for good), and not for custom models, whose constructor may make
+what only its own thread may use (formats.pack_loads_at_idle_priority). A
+worker of its own loads on its main thread: its model may take seconds of
+CPU to load, which idle priority could stretch past the load timeout on a
+saturated machine.
 """
 
 from __future__ import annotations
