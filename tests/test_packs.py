@@ -437,3 +437,31 @@ def test_a_pack_whose_models_have_replicas_in_the_others_is_not_compacted():
         rt.unload("m2")  # three free places in all, but every model already has a replica beside them
         assert pack_pids(rt) == {first, second} and "compacted" not in rt.log()
         assert all(answers(rt, f"m{i}") for i in range(2))
+
+
+
+def test_a_pack_that_loads_at_idle_priority_is_recycled_with_its_survivors_loaded_at_once():
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    import joblib
+    from parking_estimator import ParkingEstimator
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    with packed(WORKER_PRELOAD="numpy,sklearn", PYTHONPATH=tests) as rt:
+
+        def estimator(model_id: str, park_bytes: int) -> str:
+            folder = os.path.join(rt.models, model_id)
+            os.makedirs(folder)
+            joblib.dump(ParkingEstimator(park_bytes), os.path.join(folder, "model.joblib"))
+            return folder
+
+        for model_id in ("a", "b", "c"):
+            rt.load(model_id, estimator(model_id, 0), fmt="sklearn")
+        rt.load("parking", estimator("parking", 8 * MiB), fmt="sklearn")
+        (old,) = pack_pids(rt)
+        rt.unload("parking")
+        (fresh,) = pack_pids(rt)
+        assert fresh != old and not psutil.pid_exists(old) and "recycling" in rt.log()
+        assert all(rt.infer_fp32(m, [[2.5]]).outputs for m in ("a", "b", "c")), "the survivors moved"
+        # Each survivor is judged by what it added in its old pack: its unload recycles nothing.
+        rt.unload("a")
+        assert pack_pids(rt) == {fresh} and rt.log().count("recycling") == 1
