@@ -439,7 +439,6 @@ def test_a_pack_whose_models_have_replicas_in_the_others_is_not_compacted():
         assert all(answers(rt, f"m{i}") for i in range(2))
 
 
-
 def test_a_pack_that_loads_at_idle_priority_is_recycled_with_its_survivors_loaded_at_once():
     pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
     import joblib
