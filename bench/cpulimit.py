@@ -6,8 +6,8 @@ for a worker's reply takes CPU time from the very worker it waits for. This
 runs mesh-runtime (the echo model, small requests) in a cgroup with a quota
 of QUOTA_CORES (cgroup v2 `cpu.max`, else v1 `cpu.cfs_quota_us`; made as
 root, skipped with a message where it cannot be), once with each of
-BUSY_POLL_US=1000 (always polling), BUSY_POLL_US=0 and the default (which
-the runtime resolves itself: it logs what it chose), and drives each with
+BUSY_POLL_US=1000 (always polling), BUSY_POLL_US=0 and the default (off, as
+BUSY_POLL_US=0; the runtime logs what it runs with), and drives each with
 h2load at CONCURRENCY clients, in ROUNDS rounds whose order alternates.
 Each point reports its median round: req/s, p50, p99 and server CPU per
 call, side by side.

@@ -10,6 +10,8 @@ measured and checked):
       child process that answers the fixed bytes (the ceiling of a front that
       forwards; not a target, it shows what the hop alone costs),
   (b) mesh-runtime serving an echo model (FP32 [1,4] in, the same out),
+  (b') the same with BUSY_POLL_US=1000 (a reference: whether the front's
+      busy polling, off by default, would pay for its CPU on this machine),
   (c) mesh-runtime serving a scikit-learn LogisticRegression trained on iris
       (sklearn format; FP32 [1,4] in, `predict` out; should that format not
       load, a custom python model doing the same, and the output says so),
@@ -66,6 +68,8 @@ from meshtest import harness
 CONCURRENCY = (1, 8, 16)
 CASE_A, CASE_B, CASE_C = "(a) grpc.aio canned", "(b) mesh-runtime echo", "(c) mesh-runtime sklearn"
 CASE_A2 = "(a2) canned via a ZeroMQ hop"
+CASE_B_POLLING = "(b') mesh-runtime echo, polling"
+POLLING_ENV = {"BUSY_POLL_US": "1000"}
 CASE_A_UVLOOP = "(a') grpc.aio canned, uvloop"
 CASE_D_SKLEARN, CASE_D_ECHO = "(d) MLServer sklearn", "(d) MLServer echo"
 # Every (case, payload) in the order the table shows them.
@@ -76,6 +80,7 @@ ROWS = (
     (CASE_A2, SMALL),
     (CASE_B, SMALL),
     (CASE_B, BIG),
+    (CASE_B_POLLING, SMALL),
     (CASE_C, SMALL),
     (CASE_D_SKLEARN, SMALL),
     (CASE_D_ECHO, BIG),
@@ -212,6 +217,29 @@ def run(
             cannot(((CASE_B, SMALL), (CASE_B, BIG), (CASE_C, SMALL)), error)
             if rt.process is not None:
                 print(f"runtime log ({rt.log_path}), its end:\n{rt.log()[-3000:]}", file=sys.stderr)
+
+        # (b') the same echo, busy polling
+        polling = harness.Runtime(preload_frameworks=True, **RUNTIME_ENV, **POLLING_ENV)
+        stack.callback(stop_runtime, polling)
+        try:
+            progress("starting mesh-runtime with busy polling, loading echo")
+            polling.start()
+            polling.load("echo", polling.model_dir("echo"))
+            targets_.append(
+                Target(
+                    CASE_B_POLLING,
+                    SMALL,
+                    polling.port,
+                    small_request("echo"),
+                    mesh_header_lines("echo"),
+                    expect_echo(False),
+                    lambda: harness.tree(polling.pid),
+                    folder,
+                    note=" ".join(f"{k}={v}" for k, v in POLLING_ENV.items()),
+                )
+            )
+        except Exception as error:
+            cannot(((CASE_B_POLLING, SMALL),), error)
 
         # (d) the peer
         if peer == "mlserver":

@@ -1,10 +1,15 @@
-"""The front's event loop polls, without sleeping, for a moment while workers owe it replies.
+"""The front's event loop can poll, without sleeping, for a moment while workers owe it replies.
 
-Why: on a virtual machine a CPU with nothing to run halts, and waking it to
-deliver a worker's reply costs a few hundred microseconds, more than the
-front's whole share of a small call. scripts/bench measured an echo call at
-one client: p50 0.99 ms when the loop sleeps between the request and the
-worker's reply, 0.62 ms when it polls through that gap.
+Off by default (BUSY_POLL_US=0). Where waking an idle CPU is slow (some
+virtual machines halt a CPU with nothing to run, and waking it to deliver a
+worker's reply can cost more than the front's whole share of a small call),
+polling through the gap between a request and its reply shortens a call at
+one client. But the spin is CPU the call uses, and on the benchmark machine
+it no longer bought any latency: docs/benchmarks.md has both measurements,
+and scripts/bench shows which holds on a given machine. Under a CPU quota (a
+pod's CPU limit) every thread of the pod draws from one budget per period,
+so a spinning front takes CPU time from the very worker it waits for; the
+start-up log says so when a window is set there.
 
 How: each call sent to a worker arms the poller for BUSY_POLL_US (a load or a drop,
 which takes milliseconds, does not: runtime/channel.py). While
@@ -19,12 +24,8 @@ A turn yields the CPU only when the loop did nothing else since the turn
 before: then the front is only waiting, and the worker that owes the reply
 (SCHED_BATCH, so it does not preempt) may be queued on this very CPU. A loop
 busy with other calls does not yield: that would hand the CPU of the one
-thread every call passes through to whoever else is runnable. Yielding on
-every turn cost the echo model a median 8 % of its calls a second at 16
-clients on the 2-core bench machine (five alternating-burst runs); never
-yielding left the sklearn model under its target in two scripts/bench runs
-((c)/(d) 2.60x and 2.67x at 16 clients, against 3.05x-3.90x before), and cost
-12 % at one client with the runtime pinned to one CPU.
+thread every call passes through to whoever else is runnable (docs/benchmarks.md
+has what yielding on every turn, and never yielding, cost).
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ import os
 import time
 from collections.abc import Callable
 
-# The window when BUSY_POLL_US is not set and no CPU quota applies.
-DEFAULT_WINDOW_US = 1000
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 # A turn after which the loop's thread had used less CPU than this found the
@@ -86,19 +85,17 @@ class BusyPoller:
 
 
 def describe(window_us: int, cgroup_root: str = CGROUP_ROOT) -> str:
-    """For the start-up log: the window, and the CPU quota that may have chosen it."""
+    """For the start-up log: the window, and whether a CPU quota makes it cost the workers' CPU."""
+    if not window_us:
+        return "off"
+    chosen = f"up to {window_us} µs after each request"
     quota = cpu_quota_cores(cgroup_root)
-    chosen = f"up to {window_us} µs after each request" if window_us else "off"
     if quota is None:
         return chosen
-    return chosen + f" (a CPU quota of {quota:g} core{'' if quota == 1 else 's'} applies)"
-
-
-def default_window_us(cgroup_root: str = CGROUP_ROOT) -> int:
-    """DEFAULT_WINDOW_US, or 0 under a CPU quota (a pod's CPU limit): there every thread of the pod
-    draws from one budget per period, and a front that spins takes CPU time from the very worker
-    it waits for."""
-    return 0 if cpu_quota_cores(cgroup_root) is not None else DEFAULT_WINDOW_US
+    return (
+        f"{chosen}, under a CPU quota of {quota:g} core{'' if quota == 1 else 's'}: "
+        "the spin draws on the same quota as the workers (BUSY_POLL_US=0 leaves it to them)"
+    )
 
 
 def cpu_quota_cores(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> float | None:

@@ -14,7 +14,6 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from runtime import busypoll
 from runtime import envparse as parse
 
 # Frameworks the fork server imports up front when they are installed, so a
@@ -281,12 +280,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "BUSY_POLL_US",
         parse.whole_number,
-        lambda s: busypoll.default_window_us(),
+        0,
         "after a call goes to a worker, the front's event loop polls up to this long while the "
-        "reply is due, instead of sleeping: waking a halted CPU costs more than a small call "
-        "(0: always sleep; under a CPU quota spinning takes the workers' CPU time)",
+        "reply is due, instead of sleeping: worth it only where waking an idle CPU costs more than "
+        "the spin (scripts/bench shows which; under a CPU quota the spin takes the workers' CPU time)",
         parse.at_least(0),
-        default_text="1000 (0 under a CPU quota)",
     ),
     Variable(
         "WORKER_PRELOAD",

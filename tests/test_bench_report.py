@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.payloads import BIG, SMALL
-from bench.report import per_call_targets, print_per_call
+from bench.report import per_call_targets, print_per_call, targets
 
 
 def point(case: str, payload: str, c: int, req_s: float, cpu_us: float, faults: float) -> dict:
@@ -62,3 +62,17 @@ def test_a_missing_point_is_not_applicable_and_still_prints(capsys):
     print_per_call(rows)
     printed = capsys.readouterr().out
     assert "n/a (no (c) or (d) point)" in printed and "PASS" in printed
+
+
+def test_the_polling_reference_compares_b_prime_with_b_and_never_passes_or_misses():
+    made = points(560, 1.5, 500, 3100)
+    for c in (1, 8, 16):
+        made.append(point("(b') mesh-runtime echo, polling", SMALL, c, 1800, 700, 0))
+    for p in made:
+        p["p50_ms"] = 0.45 if p["case"].startswith("(b')") else 0.5
+    rows = {row["measure"]: row for row in targets(made, None)}
+    gap = rows["p50 (b') - p50 (b), FP32 [1,4], c=1"]
+    assert abs(gap["value"] - -0.05) < 1e-9 and gap["verdict"] == ""
+    ratio = rows["(b') / (b) req/s, FP32 [1,4], c=8"]
+    assert ratio["value"] == 1800 / 1500 and ratio["verdict"] == ""
+    assert rows["p50 (b) - p50 (a), FP32 [1,4], c=1"]["value"] == 0.0, "(b') is not taken for (b)"

@@ -1,8 +1,9 @@
-"""runtime/busypoll.py under a CPU quota: the front finds its cgroup's quota and does not spin.
+"""runtime/busypoll.py under a CPU quota: polling is off unless set, and a window set under a
+quota is logged as drawing on the workers' CPU.
 
 The quota is read from a cgroup tree written under tmp_path (v2 cpu.max, v1
 cpu.cfs_quota_us), and once end to end: a front started in a real cgroup of
-one core (bench/cpulimit.py's, as root) logs that busy polling is off.
+one core (bench/cpulimit.py's, as root) says so in its log.
 """
 
 from __future__ import annotations
@@ -47,27 +48,28 @@ def test_v1_the_tightest_quota_of_the_cpu_hierarchy_counts(tmp_path):
     assert busypoll.cpu_quota_cores(str(root), cgroup) == 0.5
 
 
-def test_no_quota_keeps_the_default_window_and_a_quota_turns_it_off(tmp_path, monkeypatch):
-    root = tmp_path / "fs"
-    write(root / "cpu" / "cpu.cfs_quota_us", "-1")
-    write(root / "cpu" / "cpu.cfs_period_us", "100000")
+def test_polling_is_off_unless_set_and_a_window_under_a_quota_is_called_out(monkeypatch):
     monkeypatch.setattr(busypoll, "cpu_quota_cores", lambda root=None: None)
-    assert busypoll.default_window_us() == busypoll.DEFAULT_WINDOW_US
-    assert Settings.from_env({}).busy_poll_us == busypoll.DEFAULT_WINDOW_US
+    assert Settings.from_env({}).busy_poll_us == 0
+    assert Settings.from_env({"BUSY_POLL_US": "500"}).busy_poll_us == 500
+    assert busypoll.describe(0) == "off"
+    assert busypoll.describe(500) == "up to 500 µs after each request"
     monkeypatch.setattr(busypoll, "cpu_quota_cores", lambda root=None: 1.0)
     assert Settings.from_env({}).busy_poll_us == 0
-    assert Settings.from_env({"BUSY_POLL_US": "500"}).busy_poll_us == 500, "a value set is kept"
-    assert busypoll.describe(0) == "off (a CPU quota of 1 core applies)"
+    assert busypoll.describe(0) == "off"
+    assert busypoll.describe(500).startswith("up to 500 µs after each request, under a CPU quota of 1 core:")
 
 
-def test_a_front_started_in_a_cgroup_of_one_core_does_not_busy_poll():
+def test_a_front_started_in_a_cgroup_of_one_core_logs_the_quota_its_polling_draws_on():
     quota = CpuQuota("test")
     if quota.path is None:
         pytest.skip(f"no CPU cgroup can be made here: {quota.why_not}")
     try:
         with Runtime(command_prefix=quota.command_prefix()) as rt:
-            assert "busy polling off (a CPU quota of 1 core applies)" in rt.log()
-        with Runtime() as rt:
-            assert "busy polling up to 1000 µs after each request" in rt.log()
+            assert "busy polling off" in rt.log()
+        with Runtime(command_prefix=quota.command_prefix(), BUSY_POLL_US="1000") as rt:
+            assert "busy polling up to 1000 µs after each request, under a CPU quota of 1 core" in rt.log()
+        with Runtime(BUSY_POLL_US="1000") as rt:
+            assert "busy polling up to 1000 µs after each request\n" in rt.log()
     finally:
         quota.remove()
