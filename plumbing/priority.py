@@ -17,6 +17,11 @@ any other thread that wakes on that CPU preempts it at once, so a load does
 not hold up other workers' calls, the first call of the model loaded just
 before it among them. A thread may enter SCHED_IDLE without privilege but
 may not leave it, so the loads get a thread of their own that stays there.
+
+A worker the front kills is made SCHED_IDLE first: the kernel tears down a
+killed process's memory in that process's own context, and a dying pack's
+teardown should wait for the calls of the pack that took its models over,
+not hold them up.
 """
 
 import contextlib
@@ -61,6 +66,24 @@ def schedule_this_thread_as_idle_work() -> bool:
         return True
     except OSError:
         return False
+
+
+def schedule_process_as_idle_work(pid: int) -> bool:
+    """SCHED_IDLE for every thread of process `pid` (a policy is per thread); False if any refused
+    or the process is gone. Meant for a process about to be killed: none of its threads may leave
+    SCHED_IDLE without privilege.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    done = True
+    for thread in threads:
+        try:
+            os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
+        except OSError:  # it exited meanwhile, or a seccomp profile forbids it
+            done = False
+    return done
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import signal
 import time
 
 import workers.main
-from plumbing import lifeline, stacks
+from plumbing import lifeline, priority, stacks
 from runtime import filelimit, forkserver, heartbeat, status
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
@@ -227,8 +227,15 @@ class WorkerPool:
             )
             if grace > 0:
                 worker.signal(signal.SIGTERM)
-                asyncio.get_running_loop().call_later(grace, worker.signal, signal.SIGKILL)
+                asyncio.get_running_loop().call_later(grace, self._kill_now, worker)
                 return
+        self._kill_now(worker)
+
+    @staticmethod
+    def _kill_now(worker: Worker) -> None:
+        """SIGKILL, the worker made idle work first: its teardown waits for the calls of others."""
+        if worker.pid is not None and worker.alive:
+            priority.schedule_process_as_idle_work(worker.pid)
         worker.signal(signal.SIGKILL)
 
     def workers(self) -> list[Worker]:

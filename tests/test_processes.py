@@ -7,6 +7,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import threading
 import time
 
@@ -272,3 +273,46 @@ def test_a_forgotten_process_is_no_longer_polled_at_each_start_but_still_joins()
     assert process not in multiprocessing.active_children()  # alive, yet no longer listed
     process.join(timeout=10)
     assert process.exitcode == 0
+
+
+def test_a_process_about_to_be_killed_is_made_idle_work_in_every_thread():
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        child.stdout.readline()  # its second thread runs
+        assert priority.schedule_process_as_idle_work(child.pid) is True
+        threads = os.listdir(f"/proc/{child.pid}/task")
+        assert len(threads) == 2
+        assert {os.sched_getscheduler(int(t)) for t in threads} == {os.SCHED_IDLE}
+    finally:
+        child.kill()
+        child.wait()
+    assert priority.schedule_process_as_idle_work(child.pid) is False  # gone: nothing to do
+
+
+def test_the_pool_makes_a_worker_idle_work_before_it_sends_sigkill():
+    from runtime.pool import WorkerPool
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen = []
+
+    class Dying:
+        pid, alive = child.pid, True
+
+        def signal(self, signum):
+            seen.append((signum, os.sched_getscheduler(child.pid)))
+            child.send_signal(signum)
+
+    try:
+        WorkerPool._kill_now(Dying())
+        assert seen == [(signal.SIGKILL, os.SCHED_IDLE)]
+    finally:
+        child.kill()
+        child.wait()
