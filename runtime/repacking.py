@@ -15,6 +15,12 @@ already sent finish in the old pack, which is killed once it has answered
 them (or DRAIN_SECONDS passed), and reaped, before the unload that set it
 off returns. A model that does not move stays with the old pack and
 heals once it is killed.
+
+A move, once begun, runs to its end even if the task that began it is
+cancelled (a load given up, a heal stopped by an unload): cut short, it left
+a fresh pack half made, holding models no size covered, beside an old pack
+that was closed but never killed. The cancelled task waits for the move and
+is cancelled after it, so the pack's lock is not given up halfway either.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from runtime import memory, status
 from runtime.channel import PeerGone
@@ -38,6 +45,8 @@ log = logging.getLogger("mesh.packs")
 # How long a pack being ended may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
 
+T = TypeVar("T")
+
 
 class Repacker:
     def __init__(self, packs: Packs, on_recycle=None):
@@ -47,7 +56,11 @@ class Repacker:
         self._compacting: set[str] = set()  # formats whose emptiest pack is moving into the others
 
     async def recycle(self, pack: Pack, reason: str) -> None:
-        """Holding the pack's lock: a fresh pack loads the survivors, the old one goes."""
+        """Holding the pack's lock: a fresh pack loads the survivors, the old one goes (to the end,
+        even if the caller is cancelled)."""
+        await to_the_end(self._recycle(pack, reason))
+
+    async def _recycle(self, pack: Pack, reason: str) -> None:
         started = time.monotonic()
         pack.open = False
         survivors = [
@@ -79,7 +92,7 @@ class Repacker:
         try:
             async with emptiest.lock:
                 if emptiest.open and emptiest.worker.serving:
-                    return await self._into_others(emptiest, others) > 0
+                    return await to_the_end(self._into_others(emptiest, others)) > 0
                 return False
         finally:
             self._compacting.discard(format_name)
@@ -275,6 +288,24 @@ class Repacker:
         deadline = time.monotonic() + DRAIN_SECONDS
         while worker.in_flight and worker.serving and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+
+
+async def to_the_end(work: Awaitable[T]) -> T:
+    """`work`'s result, awaited in a task of its own that cancelling the caller does not stop: the
+    caller waits for it all the same, and is cancelled once it is done."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():  # the work itself was cancelled (the loop is closing)
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:

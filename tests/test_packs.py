@@ -97,6 +97,32 @@ MEETING_MODEL = """
             return dict(inputs)
 """
 
+# A model whose load parks memory in a module that outlives it, then fails: its pack is recycled.
+FAILING_LEAKY_MODEL = """
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            parked = getattr(np, "_parked_by_test", [])
+            parked.append(np.ones(8 * 1024 * 1024, dtype=np.uint8))
+            np._parked_by_test = parked
+            raise RuntimeError("parked 8 MiB, then failed")
+"""
+
+# A model that loads slowly once a file named "slow" is in its folder: a recycle that moves it
+# takes that long.
+SLOW_WHEN_TOLD_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            if os.path.exists(os.path.join(path, "slow")):
+                time.sleep(2)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
 SLOW_MODEL = """
     import time
@@ -464,3 +490,51 @@ def test_a_pack_that_loads_at_idle_priority_is_recycled_with_its_survivors_loade
         # Each survivor is judged by what it added in its old pack: its unload recycles nothing.
         rt.unload("a")
         assert pack_pids(rt) == {fresh} and rt.log().count("recycling") == 1
+
+
+def test_a_recycle_runs_to_its_end_though_the_load_that_set_it_off_is_cancelled():
+    with packed() as rt:
+        lagging = rt.model_dir("lagging", SLOW_WHEN_TOLD_MODEL)
+        rt.load("lagging", lagging)
+        (old,) = pack_pids(rt)
+        open(os.path.join(lagging, "slow"), "w").close()  # its move into a fresh pack takes 2 s
+        failing = concurrent.futures.ThreadPoolExecutor(1).submit(
+            rt.load, "failing", rt.model_dir("failing", FAILING_LEAKY_MODEL)
+        )
+        wait_until(lambda: "recycling" in rt.log(), timeout=20, what="the failed load's recycle")
+        rt.unload("failing")  # cancels the load, which is waiting for the recycle
+        with pytest.raises(grpc.RpcError):
+            failing.result(timeout=30)
+        wait_until(lambda: not psutil.pid_exists(old), timeout=20, what="the old pack killed")
+        (fresh,) = pack_pids(rt)  # not a fresh pack half made beside the old one
+        assert fresh != old and answers(rt, "lagging")
+        rt.unload("lagging")
+        wait_until(lambda: not pack_pids(rt), timeout=20, what="its pack ended with its last model")
+
+
+def test_work_run_to_the_end_finishes_and_its_caller_is_cancelled_after_it():
+    import asyncio
+
+    from runtime.repacking import to_the_end
+
+    async def main():
+        steps = []
+
+        async def work():
+            steps.append("started")
+            await asyncio.sleep(0.2)
+            steps.append("finished")
+            return 7
+
+        caller = asyncio.ensure_future(to_the_end(work()))
+        await asyncio.sleep(0.05)
+        caller.cancel()
+        await asyncio.sleep(0.05)
+        assert not caller.done(), "the caller waits for the work"
+        caller.cancel()  # cancelled again meanwhile: still waits
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert steps == ["started", "finished"]
+        assert await to_the_end(work()) == 7
+
+    asyncio.run(main())
