@@ -18,10 +18,10 @@ not hold up other workers' calls, the first call of the model loaded just
 before it among them. A thread may enter SCHED_IDLE without privilege but
 may not leave it, so the loads get a thread of their own that stays there.
 
-A worker the front kills is made SCHED_IDLE first: the kernel tears down a
-killed process's memory in that process's own context, and a dying pack's
-teardown should wait for the calls of the pack that took its models over,
-not hold them up.
+A pack the front kills once its models moved to a fresh one is made
+SCHED_IDLE first: the kernel tears down a killed process's memory in that
+process's own context, and that teardown should wait for the calls of the
+pack that took its models over, not hold them up.
 """
 
 import contextlib

@@ -233,9 +233,13 @@ class WorkerPool:
 
     @staticmethod
     def _kill_now(worker: Worker) -> None:
-        """SIGKILL, the worker made idle work first: its teardown waits for the calls of others."""
-        if worker.pid is not None and worker.alive:
-            priority.schedule_process_as_idle_work(worker.pid)
+        """SIGKILL. A recycled pack is made idle work first: the kernel tears its memory down in
+        its own context, which then waits for the calls of the pack its models moved to. Not
+        other workers: a kill for memory wants it back at once, and healing or a spare's place
+        wait for the reap."""
+        identity = worker.pid_identity
+        if worker.kill_cause is KillCause.RECYCLED and identity and lifeline.is_running(identity):
+            priority.schedule_process_as_idle_work(identity[0])
         worker.signal(signal.SIGKILL)
 
     def workers(self) -> list[Worker]:
@@ -324,6 +328,7 @@ class WorkerPool:
             loop = asyncio.get_running_loop()
             try:
                 worker.pid = await loop.run_in_executor(self._spawner, self._start_process, group, process)
+                worker.pid_identity = lifeline.process_identity(worker.pid)
             except BaseException:
                 self._workers.pop(identity, None)
                 self.beats.free(slot)  # its process did not start

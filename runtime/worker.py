@@ -84,6 +84,7 @@ class Worker:
         self.process = process
         self.group = group  # the fork server it was forked from (runtime/forkserver.py)
         self.pid: int | None = None
+        self.pid_identity: tuple[int, int] | None = None  # (pid, start time): lifeline.is_running()
         self.state = WorkerState.STARTING
         self.models: set[str] = set()  # ids of the models it holds or is loading
         self.packed = False  # a pack: it may hold several models

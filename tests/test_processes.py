@@ -18,6 +18,7 @@ from test_runtime_dir import record, start_titled
 
 from plumbing import priority, titles
 from runtime import forkserver
+from runtime.worker import KillCause
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -297,14 +298,17 @@ def test_a_process_about_to_be_killed_is_made_idle_work_in_every_thread():
     assert priority.schedule_process_as_idle_work(child.pid) is False  # gone: nothing to do
 
 
-def test_the_pool_makes_a_worker_idle_work_before_it_sends_sigkill():
+@pytest.mark.parametrize("cause", list(KillCause))
+def test_the_pool_makes_only_a_recycled_pack_idle_work_before_its_sigkill(cause):
+    from plumbing import lifeline
     from runtime.pool import WorkerPool
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     seen = []
 
     class Dying:
-        pid, alive = child.pid, True
+        pid_identity = lifeline.process_identity(child.pid)
+        kill_cause = cause
 
         def signal(self, signum):
             seen.append((signum, os.sched_getscheduler(child.pid)))
@@ -312,7 +316,8 @@ def test_the_pool_makes_a_worker_idle_work_before_it_sends_sigkill():
 
     try:
         WorkerPool._kill_now(Dying())
-        assert seen == [(signal.SIGKILL, os.SCHED_IDLE)]
+        idle = cause is KillCause.RECYCLED
+        assert seen == [(signal.SIGKILL, os.SCHED_IDLE if idle else os.SCHED_OTHER)]
     finally:
         child.kill()
         child.wait()
