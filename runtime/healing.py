@@ -147,7 +147,8 @@ class Healer:
             self._reloading_packed[format_name] -= 1
         if not self._reloading_packed[format_name]:
             del self._reloading_packed[format_name]
-            # Shielded: unloading this model cancels its heal, which must not stop a move halfway.
+            # Shielded: unloading this model cancels its heal, which must not stop the series of
+            # compactions (each move runs to its end anyway: runtime/repacking.py to_the_end).
             await asyncio.shield(self.packs.compact_all(format_name))
 
     async def _reload_into_a_pack(self, model: Model) -> None:

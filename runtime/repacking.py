@@ -17,10 +17,12 @@ off returns. A model that does not move stays with the old pack and
 heals once it is killed.
 
 A move, once begun, runs to its end even if the task that began it is
-cancelled (a load given up, a heal stopped by an unload): cut short, it left
-a fresh pack half made, holding models no size covered, beside an old pack
-that was closed but never killed. The cancelled task waits for the move and
-is cancelled after it, so the pack's lock is not given up halfway either.
+cancelled (a load given up, a heal stopped by an unload): cut short, it would
+leave a fresh pack half made, holding models no size covered, beside an old
+pack that was closed but never killed. The cancelled task waits for the move
+and is cancelled after it, so the pack's lock is not given up halfway
+either; so LOADTIME_TIMEOUT ends a load whose failure set a recycle off only
+once the recycle is done.
 """
 
 from __future__ import annotations
@@ -292,20 +294,22 @@ class Repacker:
 
 async def to_the_end(work: Awaitable[T]) -> T:
     """`work`'s result, awaited in a task of its own that cancelling the caller does not stop: the
-    caller waits for it all the same, and is cancelled once it is done."""
+    caller waits for it all the same, and is cancelled once it is done (an error of the work's
+    after that is logged, not raised: the caller's cancellation is what it must see)."""
     task = asyncio.ensure_future(work)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():  # the work itself was cancelled (the loop is closing)
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.cancelled():  # the work itself was cancelled: the loop is closing
+            raise
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:  # cancelled again meanwhile: still waits
+                pass
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a move whose caller was cancelled failed", exc_info=task.exception())
+        raise
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:

@@ -503,6 +503,7 @@ def test_a_recycle_runs_to_its_end_though_the_load_that_set_it_off_is_cancelled(
         )
         wait_until(lambda: "recycling" in rt.log(), timeout=20, what="the failed load's recycle")
         rt.unload("failing")  # cancels the load, which is waiting for the recycle
+        assert not failing.done(), "the load is cancelled once the recycle is done, not before"
         with pytest.raises(grpc.RpcError):
             failing.result(timeout=30)
         wait_until(lambda: not psutil.pid_exists(old), timeout=20, what="the old pack killed")
@@ -512,21 +513,23 @@ def test_a_recycle_runs_to_its_end_though_the_load_that_set_it_off_is_cancelled(
         wait_until(lambda: not pack_pids(rt), timeout=20, what="its pack ended with its last model")
 
 
-def test_work_run_to_the_end_finishes_and_its_caller_is_cancelled_after_it():
+def test_work_run_to_the_end_finishes_and_its_caller_is_cancelled_after_it(caplog):
     import asyncio
 
     from runtime.repacking import to_the_end
 
-    async def main():
-        steps = []
+    steps = []
 
-        async def work():
-            steps.append("started")
-            await asyncio.sleep(0.2)
-            steps.append("finished")
-            return 7
+    async def work(fail: bool = False):
+        steps.append("started")
+        await asyncio.sleep(0.2)
+        steps.append("finished")
+        if fail:
+            raise RuntimeError("the move failed")
+        return 7
 
-        caller = asyncio.ensure_future(to_the_end(work()))
+    async def cancelled_twice(fail: bool):
+        caller = asyncio.ensure_future(to_the_end(work(fail)))
         await asyncio.sleep(0.05)
         caller.cancel()
         await asyncio.sleep(0.05)
@@ -534,7 +537,21 @@ def test_work_run_to_the_end_finishes_and_its_caller_is_cancelled_after_it():
         caller.cancel()  # cancelled again meanwhile: still waits
         with pytest.raises(asyncio.CancelledError):
             await caller
+
+    async def timed_out():
+        async with asyncio.timeout(0.05):
+            await to_the_end(work())
+
+    async def main():
+        await cancelled_twice(fail=False)
         assert steps == ["started", "finished"]
+        await cancelled_twice(fail=True)  # the caller sees its cancellation, the error is logged
+        assert "the move failed" in caplog.text
+        with pytest.raises(TimeoutError):  # a deadline passed meanwhile: after the work
+            await timed_out()
+        assert steps[-1] == "finished"
         assert await to_the_end(work()) == 7
+        with pytest.raises(RuntimeError):
+            await to_the_end(work(fail=True))
 
     asyncio.run(main())
