@@ -41,7 +41,7 @@ sizes against the cgroup's growth after every thousand.
 
 --cpu-limit runs bench/cpulimit.py instead: the echo model under h2load with
 the runtime in a cgroup with a CPU quota of one core, with BUSY_POLL_US=1000,
-0 and the default side by side.
+0 and the default (off) side by side.
 
 Benchmarks report, they do not fail: the exit code is 0 even when a target is
 missed, 1 only when a measurement could not be made.

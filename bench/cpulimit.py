@@ -67,7 +67,7 @@ class CpuQuota(cgroup.Cgroup):
 
 
 def resolved_busy_poll(rt: harness.Runtime) -> str:
-    """What the runtime's log says it chose for busy polling."""
+    """What the runtime's log says it runs with for busy polling."""
     for line in rt.log().splitlines():
         if "busy polling" in line:
             return line.split("busy polling", 1)[1].strip(" :")
@@ -147,11 +147,13 @@ def print_report(figures: dict) -> None:
         if default and sleeping:
             ratio = default["req_s"] / sleeping["req_s"]
             p99 = default["p99_ms"] / sleeping["p99_ms"]
-            verdict = "PASS" if ratio >= 0.95 and p99 <= 1.10 else "MISS"
-            print(
-                f"  c={concurrency}: default / BUSY_POLL_US=0: req/s {ratio:.2f}, p99 {p99:.2f} "
-                f"(target: no loss beyond noise, >= 0.95 and <= 1.10) {verdict}"
-            )
+            if figures["resolved"].get("default") == "off":  # the same setting: no target to judge
+                verdict = "(the default is off, as BUSY_POLL_US=0: the ratio is the rounds' noise)"
+            else:
+                verdict = "(target: no loss beyond noise, >= 0.95 and <= 1.10) " + (
+                    "PASS" if ratio >= 0.95 and p99 <= 1.10 else "MISS"
+                )
+            print(f"  c={concurrency}: default / BUSY_POLL_US=0: req/s {ratio:.2f}, p99 {p99:.2f} {verdict}")
         if polling and sleeping:
             print(
                 f"  c={concurrency}: BUSY_POLL_US=1000 / 0: req/s {polling['req_s'] / sleeping['req_s']:.2f}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bench.cpulimit import SETTINGS
 from bench.payloads import BIG, SMALL
 from bench.report import per_call_targets, print_per_call, targets
 
@@ -65,9 +66,8 @@ def test_a_missing_point_is_not_applicable_and_still_prints(capsys):
 
 
 def test_the_polling_reference_compares_b_prime_with_b_and_never_passes_or_misses():
-    made = points(560, 1.5, 500, 3100)
-    for c in (1, 8, 16):
-        made.append(point("(b') mesh-runtime echo, polling", SMALL, c, 1800, 700, 0))
+    polling = [point("(b') mesh-runtime echo, polling", SMALL, c, 1800, 700, 0) for c in (1, 8, 16)]
+    made = polling + points(560, 1.5, 500, 3100)  # before (b): the first point found is not (b')
     for p in made:
         p["p50_ms"] = 0.45 if p["case"].startswith("(b')") else 0.5
     rows = {row["measure"]: row for row in targets(made, None)}
@@ -76,3 +76,31 @@ def test_the_polling_reference_compares_b_prime_with_b_and_never_passes_or_misse
     ratio = rows["(b') / (b) req/s, FP32 [1,4], c=8"]
     assert ratio["value"] == 1800 / 1500 and ratio["verdict"] == ""
     assert rows["p50 (b) - p50 (a), FP32 [1,4], c=1"]["value"] == 0.0, "(b') is not taken for (b)"
+
+
+def test_the_cpu_limit_report_judges_no_target_when_the_default_is_the_setting_it_is_compared_with(capsys):
+    from bench.cpulimit import print_report
+
+    def cpu_point(setting: str, c: int, req_s: float) -> dict:
+        return {
+            "setting": setting,
+            "concurrency": c,
+            "req_s": req_s,
+            "p50_ms": 0.5,
+            "p99_ms": 1.0,
+            "server_cpu_us_per_req": 600,
+            "rounds_req_s": [req_s],
+        }
+
+    figures = {
+        "quota_cores": 1.0,
+        "rounds": 1,
+        "resolved": {"BUSY_POLL_US=1000": "up to 1000 µs", "BUSY_POLL_US=0": "off", "default": "off"},
+        "points": [cpu_point(s, c, 1000 if s == "default" else 1200) for s in SETTINGS for c in (1, 8, 16)],
+    }
+    print_report(figures)
+    printed = capsys.readouterr().out
+    assert "the ratio is the rounds' noise" in printed and "MISS" not in printed  # 1000 / 1200 is noise
+    figures["resolved"]["default"] = "up to 1000 µs after each request"
+    print_report(figures)
+    assert "MISS" in capsys.readouterr().out
