@@ -36,7 +36,7 @@ import signal
 import time
 
 import workers.main
-from plumbing import lifeline, priority, stacks
+from plumbing import lifeline, stacks
 from runtime import filelimit, forkserver, heartbeat, status
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
@@ -227,20 +227,9 @@ class WorkerPool:
             )
             if grace > 0:
                 worker.signal(signal.SIGTERM)
-                asyncio.get_running_loop().call_later(grace, self._kill_now, worker)
+                asyncio.get_running_loop().call_later(grace, worker.kill_now)
                 return
-        self._kill_now(worker)
-
-    @staticmethod
-    def _kill_now(worker: Worker) -> None:
-        """SIGKILL. A recycled pack is made idle work first: the kernel tears its memory down in
-        its own context, which then waits for the calls of the pack its models moved to. Not
-        other workers: a kill for memory wants it back at once, and healing or a spare's place
-        wait for the reap."""
-        identity = worker.pid_identity
-        if worker.kill_cause is KillCause.RECYCLED and identity and lifeline.is_running(identity):
-            priority.schedule_process_as_idle_work(identity[0])
-        worker.signal(signal.SIGKILL)
+        worker.kill_now()
 
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
@@ -328,7 +317,6 @@ class WorkerPool:
             loop = asyncio.get_running_loop()
             try:
                 worker.pid = await loop.run_in_executor(self._spawner, self._start_process, group, process)
-                worker.pid_identity = lifeline.process_identity(worker.pid)
             except BaseException:
                 self._workers.pop(identity, None)
                 self.beats.free(slot)  # its process did not start

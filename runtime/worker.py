@@ -23,8 +23,10 @@ import collections
 import enum
 import multiprocessing
 import os
+import signal
 import time
 
+from plumbing import lifeline, priority
 from runtime.forkserver import BASE_GROUP
 
 
@@ -83,7 +85,7 @@ class Worker:
         self.identity = identity
         self.process = process
         self.group = group  # the fork server it was forked from (runtime/forkserver.py)
-        self.pid: int | None = None
+        self._pid: int | None = None
         self.pid_identity: tuple[int, int] | None = None  # (pid, start time): lifeline.is_running()
         self.state = WorkerState.STARTING
         self.models: set[str] = set()  # ids of the models it holds or is loading
@@ -147,6 +149,27 @@ class Worker:
                 os.kill(self.pid, signum)
             except ProcessLookupError:
                 pass  # already dead; the sentinel will tell
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @pid.setter
+    def pid(self, pid: int | None) -> None:
+        """Set once the process runs: its start time is noted with it, so that a pid the kernel
+        gave to another process after this one was reaped is never taken for it."""
+        self._pid = pid
+        self.pid_identity = lifeline.process_identity(pid) if pid is not None else None
+
+    def kill_now(self) -> None:
+        """SIGKILL; only the pool calls this. A recycled pack is made idle work first: the kernel
+        tears its memory down in its own context, which then waits for the calls of the pack its
+        models moved to. Not other workers: a kill for memory wants it back at once, and healing
+        or a spare's place wait for the reap."""
+        identity = self.pid_identity
+        if self.kill_cause is KillCause.RECYCLED and identity and lifeline.is_running(identity):
+            priority.schedule_process_as_idle_work(identity[0])
+        self.signal(signal.SIGKILL)
 
     def __repr__(self) -> str:
         if self.packed:

@@ -301,7 +301,7 @@ def test_a_process_about_to_be_killed_is_made_idle_work_in_every_thread():
 @pytest.mark.parametrize("cause", list(KillCause))
 def test_the_pool_makes_only_a_recycled_pack_idle_work_before_its_sigkill(cause):
     from plumbing import lifeline
-    from runtime.pool import WorkerPool
+    from runtime.worker import Worker
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     seen = []
@@ -315,7 +315,7 @@ def test_the_pool_makes_only_a_recycled_pack_idle_work_before_its_sigkill(cause)
             child.send_signal(signum)
 
     try:
-        WorkerPool._kill_now(Dying())
+        Worker.kill_now(Dying())  # type: ignore[arg-type]
         idle = cause is KillCause.RECYCLED
         assert seen == [(signal.SIGKILL, os.SCHED_IDLE if idle else os.SCHED_OTHER)]
     finally:
