@@ -24,9 +24,10 @@ from protos import model_runtime_pb2 as mm
 
 PYTHON_KEY = json.dumps({"model_type": {"name": "python"}})
 
-# A model that keeps memory after it is dropped: its load parks 8 MiB in a
-# module that outlives it (numpy), so the pack cannot shrink when it goes.
-LEAKY_MODEL = """
+
+def parking_model(then: str = "") -> str:
+    """A model whose load parks 8 MiB in a module that outlives it (numpy), then runs `then`."""
+    return f"""
     import numpy as np
 
     class Model:
@@ -34,10 +35,15 @@ LEAKY_MODEL = """
             parked = getattr(np, "_parked_by_test", [])
             parked.append(np.ones(8 * 1024 * 1024, dtype=np.uint8))
             np._parked_by_test = parked
+            {then}
 
         def predict(self, inputs):
             return dict(inputs)
-"""
+    """
+
+
+# A model that keeps memory after it is dropped: its pack cannot shrink when it goes.
+LEAKY_MODEL = parking_model()
 
 # A model whose first load in a process writes what later loads reuse: a module it imports.
 IMPORTING_MODEL = """
@@ -97,17 +103,8 @@ MEETING_MODEL = """
             return dict(inputs)
 """
 
-# A model whose load parks memory in a module that outlives it, then fails: its pack is recycled.
-FAILING_LEAKY_MODEL = """
-    import numpy as np
-
-    class Model:
-        def __init__(self, path):
-            parked = getattr(np, "_parked_by_test", [])
-            parked.append(np.ones(8 * 1024 * 1024, dtype=np.uint8))
-            np._parked_by_test = parked
-            raise RuntimeError("parked 8 MiB, then failed")
-"""
+# A model whose load parks memory, then fails: its pack is recycled.
+FAILING_LEAKY_MODEL = parking_model('raise RuntimeError("parked 8 MiB, then failed")')
 
 # A model that loads slowly once a file named "slow" is in its folder: a recycle that moves it
 # takes that long.
