@@ -62,6 +62,13 @@ def echo_request(values: int) -> v2.ModelInferRequest:
     return request
 
 
+# What the front's heap keeps after big calls stop, however many there were: grpc's and the
+# front's own allocations made during them, and the pages they share with free chunks, vary from
+# run to run (docs/benchmarks.md, "Big tensors"); the 1 MiB buffers themselves come back.
+FRONT_KEEPS = 4 * MiB
+WORKER_KEEPS = 2 * MiB
+
+
 def test_a_1_mib_call_after_small_ones_barely_faults_and_the_heap_it_used_comes_back():
     # A short silence limit makes an idle worker wake, and so trim, every 1.5 s.
     with Runtime(WORKER_HEARTBEAT_TIMEOUT_MS="3000") as runtime:
@@ -82,10 +89,18 @@ def test_a_1_mib_call_after_small_ones_barely_faults_and_the_heap_it_used_comes_
         assert per_call < 50, f"{per_call:.0f} page faults per 1 MiB call"  # 256 per fresh 1 MiB buffer
 
         def heaps_given_back() -> bool:
-            return uss(runtime.pid) < front_before + 2 * MiB and uss(worker.pid) < worker_before + 2 * MiB
+            return (
+                uss(runtime.pid) < front_before + FRONT_KEEPS
+                and uss(worker.pid) < worker_before + WORKER_KEEPS
+            )
 
-        try:
-            wait_until(heaps_given_back, timeout=15, interval=0.2, what="the front and worker to trim")
-        except AssertionError as error:
-            front, kept = (uss(runtime.pid) - front_before) / MiB, (uss(worker.pid) - worker_before) / MiB
-            raise AssertionError(f"{error}: front +{front:.1f} MiB, worker +{kept:.1f} MiB") from None
+        for calls in (20, 40):  # what stays does not grow with the calls
+            for _ in range(calls - 20):
+                runtime.infer.ModelInfer(big, metadata=mesh_headers("echo"), timeout=30)
+            try:
+                wait_until(heaps_given_back, timeout=15, interval=0.2, what="the front and worker to trim")
+            except AssertionError as error:
+                front, kept = (uss(runtime.pid) - front_before) / MiB, (uss(worker.pid) - worker_before) / MiB
+                raise AssertionError(
+                    f"{error} after {calls} calls: front +{front:.1f} MiB, worker +{kept:.1f} MiB"
+                ) from None
