@@ -130,7 +130,7 @@ def print_report(figures: dict) -> None:
         "rounds (alternating order)"
     )
     for name, resolved in figures["resolved"].items():
-        print(f"  {name}: the runtime chose {resolved}")
+        print(f"  {name}: the runtime runs with {resolved}")
     header = (
         f"  {'setting':<18} {'c':>3} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU per call':>13}  rounds"
     )
