@@ -66,7 +66,7 @@ import sys
 import traceback
 
 from bench import cpulimit, instructions, lifecycle, pack_churn, pack_recycle, plan, report, scale
-from bench.common import progress
+from bench.common import damon_reclaim, progress
 from meshtest import harness
 
 
@@ -76,6 +76,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "damon_reclaim": damon_reclaim(),
     }
 
 
@@ -186,6 +187,11 @@ def main() -> int:
     from runtime.settings import Settings
 
     print(f"WORKER_PRELOAD: {','.join(Settings.from_env().worker_preload)}")
+    if info["damon_reclaim"]:
+        print(
+            f"memory: the kernel pages cold memory out on its own here ({', '.join(info['damon_reclaim'])}): "
+            "a cgroup's usage may fall over a long run while nothing in it changes"
+        )
     if args.scale:
         return run_scale(args, info)
     if args.packs:
