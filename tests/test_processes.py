@@ -16,9 +16,9 @@ import pytest
 from harness import Runtime, alive, tree, wait_until
 from test_runtime_dir import record, start_titled
 
-from plumbing import priority, titles
+from plumbing import lifeline, priority, titles
 from runtime import forkserver
-from runtime.worker import KillCause
+from runtime.worker import KillCause, Worker
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -299,10 +299,7 @@ def test_a_process_about_to_be_killed_is_made_idle_work_in_every_thread():
 
 
 @pytest.mark.parametrize("cause", list(KillCause))
-def test_the_pool_makes_only_a_recycled_pack_idle_work_before_its_sigkill(cause):
-    from plumbing import lifeline
-    from runtime.worker import Worker
-
+def test_only_a_recycled_pack_is_made_idle_work_before_its_sigkill(cause):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     seen = []
 
