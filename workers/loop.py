@@ -327,7 +327,7 @@ class Worker:
         except Exception as error:  # WireError, protobuf's DecodeError and friends
             raise v2.InvalidInput(f"request is not a valid ModelInferRequest: {error}") from None
         inputs, parameters, raw = v2.decode_request(request, raw_inputs)
-        requested = [output.name for output in request.outputs]
+        requested = v2.output_names(request)
         return batching.InferCall(request_id, request, inputs, parameters, raw, requested, held)
 
     @staticmethod
