@@ -4,15 +4,26 @@ The worker calls `Model(path)` (path = the modelPath it was given; the
 constructor loads), then `predict(inputs)` or `predict(inputs, parameters)`
 with `inputs: dict[str, numpy.ndarray]`, expecting `dict[str, numpy.ndarray]`
 back. Optional methods: `metadata()`, `handle(method, request_bytes)`, `close()`.
+
+A pack often holds many copies of one model.py (a model per tenant, say),
+and compiling the source was half of what loading a tiny model cost. So a
+worker compiles each distinct source once, and keeps the result while a model
+loaded from it is held; each model runs a copy named after its own file, so
+that tracebacks point at it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import os
 import sys
+import types
 from typing import Any
+
+# Compiled model.py sources by their content's digest: [code, models loaded from it still held].
+_compiled: dict[bytes, list] = {}
 
 
 def load(path: str) -> PythonModel:
@@ -26,12 +37,45 @@ def load(path: str) -> PythonModel:
         raise ImportError(f"cannot import {source}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    model_class = getattr(module, "Model", None)
-    # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
-    if not isinstance(model_class, type):
-        raise TypeError(f"{source} defines no class Model")
-    return PythonModel(model_class(path))
+    digest, code = _compile(source)
+    try:
+        exec(code, module.__dict__)
+        model_class = getattr(module, "Model", None)
+        # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
+        if not isinstance(model_class, type):
+            raise TypeError(f"{source} defines no class Model")
+        return PythonModel(model_class(path), on_close=lambda: _release(digest))
+    except BaseException:
+        _release(digest)
+        raise
+
+
+def _compile(source: str) -> tuple[bytes, types.CodeType]:
+    """The digest of `source`'s content, and its code named after `source`; compiled only if no
+    model loaded from the same content is held."""
+    with open(source, "rb") as file:
+        content = file.read()
+    digest = hashlib.blake2b(content, digest_size=16).digest()
+    entry = _compiled.get(digest)
+    if entry is None:
+        entry = _compiled[digest] = [compile(content, source, "exec", dont_inherit=True), 0]
+    entry[1] += 1
+    return digest, _named(entry[0], source)
+
+
+def _release(digest: bytes) -> None:
+    entry = _compiled[digest]
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _compiled[digest]
+
+
+def _named(code: types.CodeType, filename: str) -> types.CodeType:
+    """`code`, with every function and class body in it, naming `filename` as its file."""
+    if code.co_filename == filename:
+        return code
+    consts = tuple(_named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def _takes_parameters(method) -> bool:
@@ -46,10 +90,12 @@ def _takes_parameters(method) -> bool:
 class PythonModel:
     """Adapts a user's Model to the interface every format offers the worker."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, on_close=None):
+        """on_close() runs once, after the model's own close()."""
         if not callable(getattr(model, "predict", None)):
             raise TypeError("Model has no predict(inputs) method")
         self._model = model
+        self._on_close = on_close
         self._predict_takes_parameters = _takes_parameters(model.predict)
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
@@ -70,6 +116,11 @@ class PythonModel:
         return self._model.handle(method, request)
 
     def close(self) -> None:
-        method = getattr(self._model, "close", None)
-        if callable(method):
-            method()
+        on_close, self._on_close = self._on_close, None
+        try:
+            method = getattr(self._model, "close", None)
+            if callable(method):
+                method()
+        finally:
+            if on_close is not None:
+                on_close()
