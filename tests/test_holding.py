@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import types
 
 import msgpack
@@ -70,3 +71,23 @@ def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_
     assert policy_of("b", "sklearn", pack=False) != os.SCHED_IDLE, "a worker of its own"
     assert policy_of("c", "sklearn", pack=True, threads=2) != os.SCHED_IDLE, "pools would inherit it"
     assert policy_of("d", "python", pack=True) != os.SCHED_IDLE, "a custom model's own thread"
+
+
+def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(monkeypatch):
+    giving_way: list[bool] = []
+
+    def recording_load(format_name: str, path: str):
+        giving_way.append(signal.getitimer(signal.ITIMER_REAL)[1] > 0)  # yielding's repeating timer
+        return types.SimpleNamespace(close=lambda: None)
+
+    monkeypatch.setattr(formats, "load", recording_load)
+
+    def gave_way(fmt: str, pack: bool) -> bool:
+        header = {"id": 1, "model_id": "a", "format": fmt, "path": "/models/x", "pack": pack}
+        assert msgpack.unpackb(Holdings(batch_max=1).load(header, [])[0])["ok"]
+        return giving_way[-1]
+
+    assert gave_way("python", pack=True)
+    assert signal.getitimer(signal.ITIMER_REAL)[1] == 0.0, "the timer stops with the load"
+    assert not gave_way("python", pack=False), "a worker of its own has no neighbours to give way to"
+    assert not gave_way("sklearn", pack=True), "a framework pack loads at idle priority instead"

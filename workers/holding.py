@@ -24,6 +24,8 @@ Only where the frameworks run each call on the thread that makes it
 (WORKER_THREADS=1: a thread pool a load started would inherit the idle
 priority for good), and not for custom models, whose constructor may make
 what only its own thread may use (formats.pack_loads_at_idle_priority). A
+custom model loads on the pack's main thread, which gives way to any other
+thread every quarter of a millisecond meanwhile (plumbing/yielding.py). A
 worker of its own loads on its main thread: its model may take seconds of
 CPU to load, which idle priority could stretch past the load timeout on a
 saturated machine.
@@ -38,7 +40,7 @@ import logging
 import time
 from typing import Any
 
-from plumbing import heap, priority, titles
+from plumbing import heap, priority, titles, yielding
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
@@ -104,15 +106,21 @@ class Holdings:
         return [protocol.reply(request_id)]
 
     def _load(self, format_name: str, path: str) -> Any:
-        """The loaded model: on the idle loader thread in a pack (see above), else on this thread."""
+        """The loaded model. In a pack: on the idle loader thread where the format allows it, else
+        on this thread, giving way to other threads while a custom model loads (see above)."""
         fmt = formats.by_name(format_name)
-        if not (self.packed and fmt is not None and formats.pack_loads_at_idle_priority(fmt, self.threads)):
+        if not self.packed or fmt is None:
             return formats.load(format_name, path)
-        if self._idle_loader is None:
-            self._idle_loader = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="load", initializer=_become_idle_work
-            )
-        return self._idle_loader.submit(formats.load, format_name, path).result()
+        if formats.pack_loads_at_idle_priority(fmt, self.threads):
+            if self._idle_loader is None:
+                self._idle_loader = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="load", initializer=_become_idle_work
+                )
+            return self._idle_loader.submit(formats.load, format_name, path).result()
+        if not fmt.loads_on_any_thread:
+            with yielding.giving_way():
+                return formats.load(format_name, path)
+        return formats.load(format_name, path)
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
