@@ -6,10 +6,12 @@ with `inputs: dict[str, numpy.ndarray]`, expecting `dict[str, numpy.ndarray]`
 back. Optional methods: `metadata()`, `handle(method, request_bytes)`, `close()`.
 
 A pack often holds many copies of one model.py (a model per tenant, say),
-and compiling the source was half of what loading a tiny model cost. So a
-worker compiles each distinct source once, and keeps the result while a model
-loaded from it is held; each model runs a copy named after its own file, so
-that tracebacks point at it.
+and compiling the source was much of what loading a tiny model cost. So a
+worker keeps each source it compiled, marshalled, for as long as the model
+whose load compiled it is held; a copy loads from those bytes, into code of
+its own named after its own file (tracebacks point at it). Each model's drop
+gives back what its load added: the bytes go with the model that paid for
+them, and no model runs code another one holds.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import inspect
+import marshal
 import os
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
-# Compiled model.py sources by their content's digest: [code, models loaded from it still held].
-_compiled: dict[bytes, list] = {}
+# Compiled model.py sources, marshalled, by their content's digest.
+_compiled: dict[bytes, bytes] = {}
 
 
 def load(path: str) -> PythonModel:
@@ -37,37 +41,36 @@ def load(path: str) -> PythonModel:
         raise ImportError(f"cannot import {source}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    digest, code = _compile(source)
+    code, forget_compiled = _code_of(source)
     try:
         exec(code, module.__dict__)
         model_class = getattr(module, "Model", None)
         # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
         if not isinstance(model_class, type):
             raise TypeError(f"{source} defines no class Model")
-        return PythonModel(model_class(path), on_close=lambda: _release(digest))
+        return PythonModel(model_class(path), on_close=forget_compiled)
     except BaseException:
-        _release(digest)
+        if forget_compiled is not None:
+            forget_compiled()
         raise
 
 
-def _compile(source: str) -> tuple[bytes, types.CodeType]:
-    """The digest of `source`'s content, and its code named after `source`; compiled only if no
-    model loaded from the same content is held."""
+def _code_of(source: str) -> tuple[types.CodeType, Callable[[], None] | None]:
+    """`source`'s code, named after it; and where this load compiled it, what forgets the bytes
+    kept for copies (run when its model closes)."""
     with open(source, "rb") as file:
         content = file.read()
     digest = hashlib.blake2b(content, digest_size=16).digest()
-    entry = _compiled.get(digest)
-    if entry is None:
-        entry = _compiled[digest] = [compile(content, source, "exec", dont_inherit=True), 0]
-    entry[1] += 1
-    return digest, _named(entry[0], source)
+    marshalled = _compiled.get(digest)
+    if marshalled is not None:
+        return _named(marshal.loads(marshalled), source), None
+    code = compile(content, source, "exec", dont_inherit=True)
+    _compiled[digest] = marshal.dumps(code)
 
-
-def _release(digest: bytes) -> None:
-    entry = _compiled[digest]
-    entry[1] -= 1
-    if entry[1] == 0:
+    def forget() -> None:
         del _compiled[digest]
+
+    return code, forget
 
 
 def _named(code: types.CodeType, filename: str) -> types.CodeType:
