@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-GIVE_WAY_EVERY_S = 0.00025
+GIVE_WAY_EVERY_S = 0.0005
 MIN_TIMER_S = 0.000001  # a timer due while the block ran fires at once after it
 
 

@@ -25,7 +25,7 @@ Only where the frameworks run each call on the thread that makes it
 priority for good), and not for custom models, whose constructor may make
 what only its own thread may use (formats.pack_loads_at_idle_priority). A
 custom model loads on the pack's main thread, which gives way to any other
-thread every quarter of a millisecond meanwhile (plumbing/yielding.py). A
+thread every half millisecond meanwhile (plumbing/yielding.py). A
 worker of its own loads on its main thread: its model may take seconds of
 CPU to load, which idle priority could stretch past the load timeout on a
 saturated machine.
