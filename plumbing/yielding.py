@@ -10,24 +10,57 @@ load's thread does; a recycle's loads, one after another, would then keep a
 survivor's call waiting up to a tick whenever one of the threads it passes
 through is queued behind the load.
 
-Inside `giving_way()`, an interval timer interrupts the process every
-`every_s`, and the handler calls sched_yield() on the main thread: a thread
-queued on this CPU runs first, and where none is, the yield returns at once.
-The work takes longer on a busy machine, by what the calls it lets through
-take; on an idle one it costs a signal per interval.
+Inside `giving_way()`, a POSIX timer on the monotonic clock signals the main
+thread every `every_s`, and the handler calls sched_yield(): a thread queued
+on this CPU runs first, and where none is, the yield returns at once. The
+work takes longer on a busy machine, by what the calls it lets through take.
+
+The timer is a high-resolution one of its own (timer_create), not
+setitimer's: CPU-time timers fire only at the tick, and SIGALRM belongs to
+the user's code (a model may time its own calls with alarm()). Its signal is
+a real-time one that nothing else here uses. System calls the work makes
+restart after the handler where the kernel allows; the few it never restarts
+(poll, select, sleeps) return EINTR, which Python's own calls retry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 
 GIVE_WAY_EVERY_S = 0.0005
-MIN_TIMER_S = 0.000001  # a timer due while the block ran fires at once after it
+GIVE_WAY_SIGNAL = signal.SIGRTMAX - 1
+
+_CLOCK_MONOTONIC = 1
+_SIGEV_THREAD_ID = 4  # Linux: signal this one thread, not any thread of the process
+
+
+class _Sigevent(ctypes.Structure):
+    # glibc's struct sigevent on Linux: 64 bytes, the thread id first in the trailing union.
+    _fields_ = [
+        ("sigev_value", ctypes.c_void_p),
+        ("sigev_signo", ctypes.c_int),
+        ("sigev_notify", ctypes.c_int),
+        ("sigev_notify_thread_id", ctypes.c_int),
+        ("_pad", ctypes.c_int * 11),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger("mesh.worker")
 
 
 def _give_way(signum, frame) -> None:
@@ -37,22 +70,46 @@ def _give_way(signum, frame) -> None:
 @contextlib.contextmanager
 def giving_way(every_s: float = GIVE_WAY_EVERY_S) -> Iterator[None]:
     """Yields the CPU every `every_s` while the block runs; on the main thread only (Python runs
-    signal handlers there), elsewhere the block just runs. SIGALRM and the real-time interval
-    timer are the block's: whatever held them before gets them back, its timer re-armed with
-    what it had left less the block's time (a test runner's timeout, say)."""
+    signal handlers there), elsewhere, or where the kernel refuses the timer, the block just runs.
+    GIVE_WAY_SIGNAL is the block's while it runs: whatever handled it before gets it back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous_handler = signal.signal(signal.SIGALRM, _give_way)
-    # The work's system calls restart after the handler rather than fail with EINTR.
-    signal.siginterrupt(signal.SIGALRM, False)
-    started = time.monotonic()
-    previous_left, previous_interval = signal.setitimer(signal.ITIMER_REAL, every_s, every_s)
+    previous_handler = signal.getsignal(GIVE_WAY_SIGNAL)
+    timer = ctypes.c_void_p()
+    armed = False
     try:
+        signal.signal(GIVE_WAY_SIGNAL, _give_way)
+        # The work's system calls restart after the handler rather than fail with EINTR.
+        signal.siginterrupt(GIVE_WAY_SIGNAL, False)
+        armed = _arm(timer, every_s)
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous_handler)
-        if previous_left > 0:
-            left = max(MIN_TIMER_S, previous_left - (time.monotonic() - started))
-            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
+        try:
+            if armed:
+                _libc.timer_delete(timer)  # before the handler goes: a signal due arrives on its return
+        finally:
+            signal.signal(GIVE_WAY_SIGNAL, previous_handler)
+
+
+def _arm(timer: ctypes.c_void_p, every_s: float) -> bool:
+    """Creates and starts `timer`, signalling this thread every `every_s`; False if refused."""
+    event = _Sigevent(
+        sigev_signo=GIVE_WAY_SIGNAL,
+        sigev_notify=_SIGEV_THREAD_ID,
+        sigev_notify_thread_id=threading.get_native_id(),
+    )
+    if _libc.timer_create(_CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)) != 0:
+        _refused("timer_create")
+        return False
+    period = _Timespec(int(every_s), int((every_s % 1) * 1e9))
+    if _libc.timer_settime(timer, 0, ctypes.byref(_Itimerspec(period, period)), None) != 0:
+        _refused("timer_settime")
+        _libc.timer_delete(timer)
+        return False
+    return True
+
+
+def _refused(call: str) -> None:
+    error = ctypes.get_errno()
+    log.warning("%s refused (%s): this load does not give way to other threads", call, os.strerror(error))

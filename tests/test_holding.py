@@ -10,6 +10,7 @@ import msgpack
 import pytest
 from harness import ECHO_MODEL, write_model
 
+from plumbing import yielding
 from workers import formats, protocol
 from workers.holding import Holdings
 
@@ -77,7 +78,7 @@ def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(
     giving_way: list[bool] = []
 
     def recording_load(format_name: str, path: str):
-        giving_way.append(signal.getitimer(signal.ITIMER_REAL)[1] > 0)  # yielding's repeating timer
+        giving_way.append(signal.getsignal(yielding.GIVE_WAY_SIGNAL) is yielding._give_way)
         return types.SimpleNamespace(close=lambda: None)
 
     monkeypatch.setattr(formats, "load", recording_load)
@@ -88,6 +89,6 @@ def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(
         return giving_way[-1]
 
     assert gave_way("python", pack=True)
-    assert signal.getitimer(signal.ITIMER_REAL)[1] == 0.0, "the timer stops with the load"
+    assert signal.getsignal(yielding.GIVE_WAY_SIGNAL) is not yielding._give_way, "it stops with the load"
     assert not gave_way("python", pack=False), "a worker of its own has no neighbours to give way to"
     assert not gave_way("sklearn", pack=True), "a framework pack loads at idle priority instead"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import numpy as np
@@ -88,3 +89,15 @@ def test_close_forgets_the_source_even_when_the_models_close_raises(tmp_path, co
         model.close()
     with pytest.raises(OSError):
         model.close()  # the model's own close runs again; the bytes were forgotten once
+
+
+def test_the_last_model_loaded_takes_its_module_with_it_when_it_closes(tmp_path, compiled):
+    first, last = (python.load(write_model(str(tmp_path / name), FAILING_MODEL)) for name in "ab")
+    try:
+        module = sys.modules["mesh_custom_model"]
+        assert module.__file__ == str(tmp_path / "b" / "model.py")
+        first.close()
+        assert sys.modules["mesh_custom_model"] is module, "an earlier model leaves the later one's"
+    finally:
+        last.close()
+    assert "mesh_custom_model" not in sys.modules

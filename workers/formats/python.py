@@ -42,16 +42,23 @@ def load(path: str) -> PythonModel:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     code, forget_compiled = _code_of(source)
+
+    def forget() -> None:
+        """What the drop gives back: the module, if no later load took its name, and the bytes."""
+        if sys.modules.get(spec.name) is module:
+            del sys.modules[spec.name]
+        if forget_compiled is not None:
+            forget_compiled()
+
     try:
         exec(code, module.__dict__)
         model_class = getattr(module, "Model", None)
         # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
         if not isinstance(model_class, type):
             raise TypeError(f"{source} defines no class Model")
-        return PythonModel(model_class(path), on_close=forget_compiled)
+        return PythonModel(model_class(path), on_close=forget)
     except BaseException:
-        if forget_compiled is not None:
-            forget_compiled()
+        forget()
         raise
 
 
