@@ -61,6 +61,7 @@ class _Itimerspec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 log = logging.getLogger("mesh.worker")
+_refusal_logged = False
 
 
 def _give_way(signum, frame) -> None:
@@ -111,5 +112,9 @@ def _arm(timer: ctypes.c_void_p, every_s: float) -> bool:
 
 
 def _refused(call: str) -> None:
-    error = ctypes.get_errno()
-    log.warning("%s refused (%s): this load does not give way to other threads", call, os.strerror(error))
+    """Logs the first refusal (a seccomp profile, say): every later block would be refused alike."""
+    global _refusal_logged
+    if not _refusal_logged:
+        _refusal_logged = True
+        error = os.strerror(ctypes.get_errno())
+        log.warning("%s refused (%s): loads here do not give way to other threads", call, error)

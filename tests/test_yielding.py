@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 from plumbing import yielding
 
@@ -56,3 +57,15 @@ def test_off_the_main_thread_the_block_runs_without_signals():
     thread.start()
     thread.join()
     assert seen and seen[0] is not yielding._give_way
+
+
+def test_a_refused_timer_leaves_the_block_running_and_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(yielding, "_refusal_logged", False)
+    monkeypatch.setattr(yielding, "_libc", types.SimpleNamespace(timer_create=lambda *_: -1))
+    ran = []
+    for _ in range(2):
+        with yielding.giving_way():
+            ran.append(signal.getsignal(yielding.GIVE_WAY_SIGNAL) is yielding._give_way)
+    assert len(ran) == 2, "the work runs all the same"
+    refusals = [r.message for r in caplog.records if "refused" in r.message]
+    assert len(refusals) == 1 and "timer_create refused" in refusals[0]
