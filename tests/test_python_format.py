@@ -101,3 +101,35 @@ def test_the_last_model_loaded_takes_its_module_with_it_when_it_closes(tmp_path,
     finally:
         last.close()
     assert "mesh_custom_model" not in sys.modules
+
+
+HELPED_MODEL = """
+import helpers
+
+
+class Model:
+    def __init__(self, path):
+        self.value = helpers.VALUE
+
+    def predict(self, inputs):
+        return {"value": helpers.VALUE}
+"""
+
+
+def helped_model(folder, value: int) -> str:
+    path = write_model(str(folder), HELPED_MODEL)
+    (folder / "helpers.py").write_text(f"VALUE = {value}\n")
+    return path
+
+
+def test_each_model_imports_the_helper_modules_beside_its_own_model_py(tmp_path, compiled):
+    paths = {value: helped_model(tmp_path / f"m{value}", value) for value in (1, 2)}
+    models = [python.load(paths[1]), python.load(paths[2])]
+    models.append(python.load(paths[1]))  # its folder is on sys.path already, behind the other's
+    try:
+        assert [m._model.value for m in models] == [1, 2, 1]
+        assert [m.predict({}, {}, [])["value"] for m in models] == [1, 2, 1]
+        assert "helpers" not in sys.modules, "the models hold their helpers; the next load imports its own"
+    finally:
+        for model in models:
+            model.close()

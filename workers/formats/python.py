@@ -33,9 +33,11 @@ _compiled: dict[bytes, bytes] = {}
 def load(path: str) -> PythonModel:
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     folder = os.path.dirname(source)
-    # Helper modules next to model.py are importable, as a user would expect.
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    # Helper modules next to model.py are importable, as a user would expect; each model imports
+    # its own (a pack's models may each have a helpers.py).
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location("mesh_custom_model", source)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {source}")
@@ -50,6 +52,7 @@ def load(path: str) -> PythonModel:
         if forget_compiled is not None:
             forget_compiled()
 
+    imported_before = set(sys.modules)
     try:
         exec(code, module.__dict__)
         model_class = getattr(module, "Model", None)
@@ -60,6 +63,18 @@ def load(path: str) -> PythonModel:
     except BaseException:
         forget()
         raise
+    finally:
+        _unregister_modules_of(folder, imported_before)
+
+
+def _unregister_modules_of(folder: str, imported_before: set[str]) -> None:
+    """Takes the modules this load imported from `folder` out of sys.modules: the model holds
+    them, and the next model's `import helpers` must find its own helpers.py, not this one."""
+    inside = os.path.join(os.path.abspath(folder), "")
+    for name in set(sys.modules) - imported_before:
+        file = getattr(sys.modules[name], "__file__", None)
+        if file and os.path.abspath(file).startswith(inside):
+            del sys.modules[name]
 
 
 def _code_of(source: str) -> tuple[types.CodeType, Callable[[], None] | None]:
