@@ -130,6 +130,7 @@ def test_each_model_imports_the_helper_modules_beside_its_own_model_py(tmp_path,
         assert [m._model.value for m in models] == [1, 2, 1]
         assert [m.predict({}, {}, [])["value"] for m in models] == [1, 2, 1]
         assert "helpers" not in sys.modules, "the models hold their helpers; the next load imports its own"
+        assert not [f for f in sys.meta_path if isinstance(f, python._ImportsSeen)], "the load's finder went"
     finally:
         for model in models:
             model.close()

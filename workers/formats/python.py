@@ -52,7 +52,8 @@ def load(path: str) -> PythonModel:
         if forget_compiled is not None:
             forget_compiled()
 
-    imported_before = set(sys.modules)
+    imports = _ImportsSeen()
+    sys.meta_path.insert(0, imports)
     try:
         exec(code, module.__dict__)
         model_class = getattr(module, "Model", None)
@@ -64,15 +65,28 @@ def load(path: str) -> PythonModel:
         forget()
         raise
     finally:
-        _unregister_modules_of(folder, imported_before)
+        if imports in sys.meta_path:  # the model's code may have rearranged it
+            sys.meta_path.remove(imports)
+        _unregister_modules_of(folder, imports.names)
 
 
-def _unregister_modules_of(folder: str, imported_before: set[str]) -> None:
+class _ImportsSeen:
+    """A finder that finds nothing, first on sys.meta_path: it sees the name of every module
+    imported anew (one already in sys.modules asks no finder)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def find_spec(self, name: str, path=None, target=None) -> None:
+        self.names.append(name)
+
+
+def _unregister_modules_of(folder: str, names: list[str]) -> None:
     """Takes the modules this load imported from `folder` out of sys.modules: the model holds
     them, and the next model's `import helpers` must find its own helpers.py, not this one."""
     inside = os.path.join(os.path.abspath(folder), "")
-    for name in set(sys.modules) - imported_before:
-        file = getattr(sys.modules[name], "__file__", None)
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
         if file and os.path.abspath(file).startswith(inside):
             del sys.modules[name]
 
