@@ -46,6 +46,9 @@ log = logging.getLogger("mesh.packs")
 
 # How long a pack being ended may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
+# How often the drain looks: the unload that set the recycle off waits for it, so it should end
+# not much later than the last call it waits for.
+DRAIN_CHECK_SECONDS = 0.001
 
 T = TypeVar("T")
 
@@ -289,7 +292,7 @@ class Repacker:
         """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
         deadline = time.monotonic() + DRAIN_SECONDS
         while worker.in_flight and worker.serving and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(DRAIN_CHECK_SECONDS)
 
 
 async def to_the_end(work: Awaitable[T]) -> T:
