@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import traceback
 
 import numpy as np
 import pytest
-from harness import write_model
+from harness import REPO, write_model
 
 from workers.formats import python
 
@@ -134,3 +135,22 @@ def test_each_model_imports_the_helper_modules_beside_its_own_model_py(tmp_path,
     finally:
         for model in models:
             model.close()
+
+
+def test_warming_leaves_no_model_behind(compiled):
+    path = list(sys.path)
+    python.warm()
+    assert not {"mesh_custom_model", "mesh_warming_model"} & set(sys.modules)
+    assert sys.path == path and compiled() == 0
+
+
+def test_warming_imports_what_loading_numpy_weights_needs_where_numpy_is_preloaded():
+    check = """
+import sys
+import numpy
+from workers.formats import python
+assert "encodings.cp437" not in sys.modules
+python.warm()
+assert "encodings.cp437" in sys.modules  # an .npz archive's member names are read as cp437
+"""
+    subprocess.run([sys.executable, "-c", check], cwd=REPO, check=True, timeout=60)
