@@ -46,6 +46,10 @@ log = logging.getLogger("mesh.packs")
 
 # How long a pack being ended may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
+# Loads sent ahead to a pack that gives way while it loads (custom models): the next one waits
+# queued behind the one running, so the pack does not idle for a round trip of the front's between
+# loads; more would only make a longer burst of loading for the calls going on to get through.
+LOADS_AHEAD_WHILE_GIVING_WAY = 2
 # How often the drain looks: the unload that set the recycle off waits for it, so it should end
 # not much later than the last call it waits for.
 DRAIN_CHECK_SECONDS = 0.001
@@ -206,14 +210,14 @@ class Repacker:
         """Holding the target's lock: loads `models` of `source` into `target`, with the sizes they
         were charged; those that loaded. Their calls still go to `source` (_switch_all).
 
-        Where the pack loads at idle priority (workers/holding.py), the loads are sent before the
-        first reply comes back (but the first into a spare, which makes it a pack), so the pack
-        loads them back to back while the calls going on preempt it; else one at a time, so that
-        the calls get a core between them. Either way the front reads the pack's memory once,
-        not per model. Each model's drop is later checked against what it added in `source`,
-        scaled down if `target` grew by less in all: what `target` grew by also holds what its
-        first load wrote for all (imports, first-use caches), which no drop gives back, so it is
-        not shared among them; it is in the pack's base, measured once they are in."""
+        The first load into a spare goes alone (it makes the spare a pack). Where the pack loads at
+        idle priority (workers/holding.py), the others are all sent at once, so the pack loads them
+        back to back while the calls going on preempt it; else the pack gives way while it loads,
+        and LOADS_AHEAD_WHILE_GIVING_WAY of them are sent at a time. Either way the front reads the
+        pack's memory once, not per model. Each model's drop is later checked against what it
+        added in `source`, scaled down if `target` grew by less in all: what `target` grew by also
+        holds what its first load wrote for all (imports, first-use caches), which no drop gives
+        back, so it is not shared among them; it is in the pack's base, measured once they are in."""
         for model in models:
             target.members[model.model_id] = model
         before = memory.anonymous(target.worker.pid)
@@ -222,15 +226,20 @@ class Repacker:
             models[0].spec.format, self.packs.settings.worker_threads
         )
         for model in models:
-            if at_once and target.worker.serving:  # a spare becomes a pack by its first load, alone
+            if target.worker.serving:  # a spare becomes a pack by its first load, alone
                 break
             replies.append(reply := await self.packs.send_load(target, model))
             if not reply["ok"] and not target.worker.serving:
                 self._not_moved(model, target, reply)
                 return []  # a spare whose first load failed takes no other
+        queued = asyncio.Semaphore(len(models) if at_once else LOADS_AHEAD_WHILE_GIVING_WAY)
+
+        async def load(model: Model) -> dict:
+            async with queued:
+                return await self.packs.send_load(target, model)
+
         replies += await asyncio.gather(
-            *(self.packs.send_load(target, model) for model in models[len(replies) :]),
-            return_exceptions=True,
+            *(load(model) for model in models[len(replies) :]), return_exceptions=True
         )
         grown = max(0, memory.anonymous(target.worker.pid) - before)
         failures = [reply for reply in replies if isinstance(reply, BaseException)]

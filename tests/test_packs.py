@@ -235,6 +235,22 @@ def test_a_recycle_whose_fresh_pack_cannot_load_the_survivors_ends_it_and_they_h
         wait_until(lambda: len(pack_pids(rt)) == 1, timeout=20, what="no pack left over")
 
 
+def test_a_survivor_that_cannot_load_in_the_fresh_pack_does_not_keep_the_others_from_moving():
+    with packed() as rt:
+        gone = rt.model_dir("gone")
+        for model_id in ("a", "gone", "c"):  # a loads first and alone; gone and c are sent together
+            rt.load(model_id, rt.model_dir(model_id) if model_id != "gone" else gone)
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        (old,) = pack_pids(rt)
+        shutil.rmtree(gone)
+        rt.unload("leaky")
+        (fresh,) = pack_pids(rt)
+        assert fresh != old and not psutil.pid_exists(old)
+        assert "gone did not load in" in rt.log()
+        assert answers(rt, "a") and answers(rt, "c"), "the survivors that loaded moved"
+        assert pack_pids(rt) == {fresh}, "they serve from the fresh pack, not from one they healed into"
+
+
 def test_a_pack_crash_heals_the_neighbours_and_drops_only_the_model_that_crashed_it():
     with packed(MODEL_CRASH_LIMIT="2") as rt:
         for model_id in ("a", "b"):
