@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import traceback
@@ -135,6 +136,30 @@ def test_each_model_imports_the_helper_modules_beside_its_own_model_py(tmp_path,
     finally:
         for model in models:
             model.close()
+
+
+def test_a_models_folder_leaves_sys_path_once_no_model_loaded_from_it_is_held(tmp_path, compiled):
+    path, importers = list(sys.path), set(sys.path_importer_cache)
+    folders = [write_model(str(tmp_path / f"m{i}"), FAILING_MODEL) for i in range(3)]
+    models = [python.load(folder) for folder in [*folders, folders[0]]]
+    with pytest.raises(ImportError):  # looks through every folder on sys.path
+        importlib.import_module("helpers_that_no_folder_has")
+    assert sys.path[:3] == [folders[0], folders[2], folders[1]]
+    models[0].close()
+    assert sys.path[0] == folders[0], "the other model loaded from it may still import from it"
+    for model in models[1:]:
+        model.close()
+    assert sys.path == path and set(sys.path_importer_cache) == importers
+
+
+def test_a_folder_on_sys_path_before_its_model_loaded_stays_there(tmp_path, compiled):
+    folder = write_model(str(tmp_path / "m"), FAILING_MODEL)
+    sys.path.append(folder)
+    try:
+        python.load(folder).close()
+        assert folder in sys.path
+    finally:
+        sys.path.remove(folder)
 
 
 def test_warming_leaves_no_model_behind(compiled):

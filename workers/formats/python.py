@@ -16,6 +16,7 @@ them, and no model runs code another one holds.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib.util
 import inspect
@@ -29,27 +30,31 @@ from typing import Any
 
 # Compiled model.py sources, marshalled, by their content's digest.
 _compiled: dict[bytes, bytes] = {}
+# Model folders on sys.path, by how many held models were loaded from each; and those of them
+# that were on sys.path before any model from them loaded.
+_folders_held: collections.Counter[str] = collections.Counter()
+_folders_found_on_path: set[str] = set()
 
 
 def load(path: str) -> PythonModel:
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     folder = os.path.dirname(source)
-    # Helper modules next to model.py are importable, as a user would expect; each model imports
-    # its own (a pack's models may each have a helpers.py).
-    if folder in sys.path:
-        sys.path.remove(folder)
-    sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location("mesh_custom_model", source)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {source}")
+    code, forget_compiled = _code_of(source)
+    # Helper modules next to model.py are importable, as a user would expect; each model imports
+    # its own (a pack's models may each have a helpers.py).
+    _hold_on_path(folder)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    code, forget_compiled = _code_of(source)
 
     def forget() -> None:
-        """What the drop gives back: the module, if no later load took its name, and the bytes."""
+        """What the drop gives back: the module, if no later load took its name, the folder's
+        place on sys.path, and the bytes."""
         if sys.modules.get(spec.name) is module:
             del sys.modules[spec.name]
+        _release_from_path(folder)
         if forget_compiled is not None:
             forget_compiled()
 
@@ -90,6 +95,34 @@ def _unregister_modules_of(folder: str, names: list[str]) -> None:
         file = getattr(sys.modules.get(name), "__file__", None)
         if file and os.path.abspath(file).startswith(inside):
             del sys.modules[name]
+
+
+def _hold_on_path(folder: str) -> None:
+    """Puts `folder` first on sys.path, where it stays while a model loaded from it is held."""
+    if folder not in _folders_held and folder in sys.path:
+        _folders_found_on_path.add(folder)  # put there by someone else: it stays
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
+    _folders_held[folder] += 1
+
+
+def _release_from_path(folder: str) -> None:
+    """Takes `folder` off sys.path once no model loaded from it is held: a pack loads and drops
+    thousands of models in its life, and every import of a module not yet loaded looks through
+    each folder on sys.path."""
+    _folders_held[folder] -= 1
+    if _folders_held[folder] > 0:
+        return
+    del _folders_held[folder]
+    if folder in _folders_found_on_path:
+        _folders_found_on_path.discard(folder)
+        return
+    if folder in sys.path:
+        sys.path.remove(folder)
+    inside = os.path.join(folder, "")
+    for entry in [e for e in sys.path_importer_cache if e == folder or e.startswith(inside)]:
+        del sys.path_importer_cache[entry]
 
 
 def _code_of(source: str) -> tuple[types.CodeType, Callable[[], None] | None]:
