@@ -1,13 +1,15 @@
-"""The front gives its freed heap back to the OS once workers stop exiting and models stop unloading.
+"""The front gives its freed heap back to the OS once workers stop exiting and models stop loading
+and unloading.
 
 Each worker the pool reaps, and each model unloaded from a pack, frees what
 the front held for it, and glibc keeps that memory mapped: after unloading a
-thousand models the front stayed tens of MiB above where it started. Some
+thousand models the front stayed tens of MiB above where it started. A load
+frees what it used on the way (replies, readings of the worker's memory). Some
 of what those records hold is in reference cycles, freed only by a garbage
 collection, which an idle front may not run for a long time; so the trim
 collects first. Both hold the process for milliseconds (the collection holds
 the GIL, malloc_trim() locks each arena), so they run in a thread, once per
-burst: when QUIET_SECONDS have passed with no exit or unload, not after each.
+burst: when QUIET_SECONDS have passed with no exit, load or unload, not after each.
 """
 
 from __future__ import annotations

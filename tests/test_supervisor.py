@@ -100,6 +100,7 @@ def test_a_load_makes_the_model_ready_with_its_measured_size_and_is_idempotent()
     assert size > 0 and again == size
     assert len(sup.pool.taken) == 1 and sup.pool.taken[0].state is WorkerState.SERVING
     assert sup.ready_model("m").state is ModelState.READY
+    assert sup.pool.heap.notes == 1, "the load asks the front to give back what it freed meanwhile"
 
 
 def test_a_failed_load_answers_only_once_its_worker_is_gone():
@@ -144,8 +145,9 @@ def test_unload_returns_once_every_worker_is_reaped_and_unknown_ids_at_once():
     with pytest.raises(status.RpcError) as raised:
         sup.ready_model("m")
     assert raised.value.code is grpc.StatusCode.NOT_FOUND
-    # Every unload asks the front to give its freed heap back: a packed one reaps no worker.
-    assert sup.pool.heap.notes == 1
+    # Every load and every unload asks the front to give its freed heap back: a packed unload
+    # reaps no worker.
+    assert sup.pool.heap.notes == 2
 
 
 def test_a_crashed_worker_heals_into_a_fresh_one_and_a_model_that_keeps_crashing_is_dropped():
