@@ -36,7 +36,6 @@ model down.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
 import threading
@@ -79,9 +78,9 @@ class Worker:
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
-        self.polled: list[zmq.Socket | int] = [self.socket]
+        self.waiter = protocol.Waiter([self.socket])
         if self.front_exit is not None:
-            self.polled.append(self.front_exit)
+            self.waiter.add(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
         threads = config.get("threads", 1)
         self.models = Holdings(self.batch_max, threads)
@@ -90,7 +89,7 @@ class Worker:
             self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")
             self.replies = self.context.socket(zmq.PULL)
             self.replies.bind("inproc://replies")
-            self.polled.append(self.replies)
+            self.waiter.add(self.replies)
             self.thread_sockets = threading.local()
         self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
 
@@ -121,7 +120,7 @@ class Worker:
             # One zmq_poll both finds what is queued and waits when nothing is:
             # each readiness check costs system calls (poll, and ZeroMQ's own
             # poll and getpid), so none is repeated.
-            ready = protocol.wait_readable(self.polled, self.ms_to_next_beat())
+            ready = self.waiter.wait(self.ms_to_next_beat())
             if not ready and self.heap_to_trim:
                 self.give_heap_back()
             if self.socket in ready:
@@ -162,7 +161,7 @@ class Worker:
         self.heap_to_trim = False
 
     def note_sizes(self, frames: Sequence) -> None:
-        if not self.heap_to_trim and any(len(frame) >= heap.TRIM_AFTER_BYTES for frame in frames):
+        if not self.heap_to_trim and max(map(len, frames), default=0) >= heap.TRIM_AFTER_BYTES:
             self.heap_to_trim = True
 
     def send(self, frames: list) -> None:
@@ -215,8 +214,9 @@ class Worker:
                 self.send(self.handlers[op](header, payloads))
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
-        for reply in self.on_calls(calls):
-            self.send(reply)
+        if calls:
+            for reply in self.on_calls(calls):
+                self.send(reply)
 
     def call_in_thread(self, header: dict, payloads: list) -> None:
         try:
@@ -265,9 +265,7 @@ class Worker:
         if refusal is not None or held is None:
             return refusal or []  # _refusal() answers every call without a model
         request = payloads[0] if payloads else b""
-        return self._answer(
-            held, request_id, method, lambda: self._dispatch(held, request_id, method, request)
-        )
+        return self._answer(held, request_id, method, self._dispatch, held, request_id, method, request)
 
     def _refusal(self, header: dict, held: Held | None) -> list | None:
         """The reply to a call that must not run (its model not here, deadline passed), else None."""
@@ -284,10 +282,10 @@ class Worker:
             ]
         return None
 
-    def _answer(self, held: Held, request_id: int, method: str, work) -> list:
-        """work()'s reply frames, or the failed reply naming what went wrong."""
+    def _answer(self, held: Held, request_id: int, method: str, work, *arguments) -> list:
+        """work(*arguments)'s reply frames, or the failed reply naming what went wrong."""
         try:
-            return work()
+            return work(*arguments)
         except v2.InvalidInput as error:
             return [protocol.error_reply(request_id, protocol.ERROR_INVALID_INPUT, str(error))]
         except _Unimplemented as error:
@@ -370,7 +368,7 @@ class Worker:
                 )
         return {
             call.request_id: self._answer(
-                held, call.request_id, protocol.METHOD_INFER, functools.partial(self._reply_to, call, share)
+                held, call.request_id, protocol.METHOD_INFER, self._reply_to, call, share
             )
             for call, share in zip(group, shares, strict=True)
         }

@@ -185,13 +185,20 @@ def readable(socket: zmq.Socket) -> bool:
     return bool(_poll([(socket, _POLLIN)], 0))
 
 
-def wait_readable(sockets: Sequence[zmq.Socket | int], timeout_ms: int) -> list[zmq.Socket | int]:
-    """Those of `sockets` that hold a message (or file descriptors that are readable),
-    waiting up to timeout_ms for one.
+class Waiter:
+    """Sockets (or file descriptors) to wait on until one holds a message (or is readable);
+    zmq_poll's items are built once, not on every wait."""
 
-    zmq_poll looks before it sleeps, so a message already queued costs no wait.
-    """
-    return [socket for socket, _ in _poll([(socket, _POLLIN) for socket in sockets], timeout_ms)]
+    def __init__(self, sockets: Sequence[zmq.Socket | int]):
+        self._items = [(socket, _POLLIN) for socket in sockets]
+
+    def add(self, socket: zmq.Socket | int) -> None:
+        self._items.append((socket, _POLLIN))
+
+    def wait(self, timeout_ms: int) -> list[zmq.Socket | int]:
+        """Those that are ready, waiting up to timeout_ms for one. zmq_poll looks before it
+        sleeps, so a message already queued costs no wait."""
+        return [socket for socket, _ in _poll(self._items, timeout_ms)]
 
 
 def receive_frames(socket: zmq.Socket, copied: int) -> list:
