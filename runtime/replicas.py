@@ -64,16 +64,16 @@ class ReplicaSet:
             self.workers.remove(worker)
 
     def _least_busy(self) -> Worker | None:
-        best = None
+        best, fewest = None, self.slots
         for worker in self.workers:
-            calls = worker.calls[self.model_id]
-            if calls < self.slots and worker.serving and (best is None or calls < best.calls[self.model_id]):
-                best = worker
+            calls = worker.calls.get(self.model_id, 0)
+            if calls < fewest and worker.serving:
+                best, fewest = worker, calls
         return best
 
     def _count_in(self, worker: Worker) -> None:
         worker.in_flight += 1
-        worker.calls[self.model_id] += 1
+        worker.calls[self.model_id] = worker.calls.get(self.model_id, 0) + 1
 
     def try_acquire(self) -> Worker | None:
         """A replica with room, counted in, when nobody waits in line; else None."""
@@ -103,8 +103,10 @@ class ReplicaSet:
 
     def release(self, worker: Worker) -> None:
         worker.in_flight -= 1
-        worker.calls[self.model_id] -= 1
-        if not worker.calls[self.model_id]:
+        left = worker.calls[self.model_id] - 1
+        if left:
+            worker.calls[self.model_id] = left
+        else:
             del worker.calls[self.model_id]
         self._serve_line()
 

@@ -19,7 +19,6 @@ takes further loads, and drops, while SERVING the models it has.
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import multiprocessing
 import os
@@ -93,7 +92,7 @@ class Worker:
         self.pack_operations = 0  # loads and drops a pack runs while SERVING; its thread cannot beat
         self.started = time.monotonic()
         self.in_flight = 0  # calls sent and not answered yet
-        self.calls: collections.Counter[str] = collections.Counter()  # of those, per model id
+        self.calls: dict[str, int] = {}  # of those, per model id (none: absent)
         self.running: frozenset[str] = frozenset()  # models with calls in it when it died
         self.kill_cause: KillCause | None = None
         self.kill_reason = ""  # the sentence for logs and status messages
