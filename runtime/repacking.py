@@ -46,10 +46,11 @@ log = logging.getLogger("mesh.packs")
 
 # How long a pack being ended may take to answer the calls already sent to it.
 DRAIN_SECONDS = 10.0
-# Loads sent ahead to a pack that gives way while it loads (custom models): the next one waits
-# queued behind the one running, so the pack does not idle for a round trip of the front's between
-# loads; more would only make a longer burst of loading for the calls going on to get through.
-LOADS_AHEAD_WHILE_GIVING_WAY = 2
+# Loads sent ahead to a pack that loads on its main thread (custom models, which give way
+# meanwhile; any model where WORKER_THREADS > 1): the next one waits queued behind the one running,
+# so the pack does not idle for a round trip of the front's between loads; more would only make a
+# longer burst of loading for the calls going on to get through.
+LOADS_AHEAD_ON_MAIN_THREAD = 2
 # How often the drain looks: the unload that set the recycle off waits for it, so it should end
 # not much later than the last call it waits for.
 DRAIN_CHECK_SECONDS = 0.001
@@ -212,8 +213,8 @@ class Repacker:
 
         The first load into a spare goes alone (it makes the spare a pack). Where the pack loads at
         idle priority (workers/holding.py), the others are all sent at once, so the pack loads them
-        back to back while the calls going on preempt it; else the pack gives way while it loads,
-        and LOADS_AHEAD_WHILE_GIVING_WAY of them are sent at a time. Either way the front reads the
+        back to back while the calls going on preempt it; else it loads on its main thread, and
+        LOADS_AHEAD_ON_MAIN_THREAD of them are sent at a time. Either way the front reads the
         pack's memory once, not per model. Each model's drop is later checked against what it
         added in `source`, scaled down if `target` grew by less in all: what `target` grew by also
         holds what its first load wrote for all (imports, first-use caches), which no drop gives
@@ -232,7 +233,7 @@ class Repacker:
             if not reply["ok"] and not target.worker.serving:
                 self._not_moved(model, target, reply)
                 return []  # a spare whose first load failed takes no other
-        queued = asyncio.Semaphore(len(models) if at_once else LOADS_AHEAD_WHILE_GIVING_WAY)
+        queued = asyncio.Semaphore(len(models) if at_once else LOADS_AHEAD_ON_MAIN_THREAD)
 
         async def load(model: Model) -> dict:
             async with queued:

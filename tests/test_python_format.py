@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import traceback
@@ -150,6 +151,18 @@ def test_a_models_folder_leaves_sys_path_once_no_model_loaded_from_it_is_held(tm
     for model in models[1:]:
         model.close()
     assert sys.path == path and set(sys.path_importer_cache) == importers
+
+
+def test_a_model_loaded_by_a_relative_path_takes_only_its_own_folder_off_sys_path(
+    tmp_path, monkeypatch, compiled
+):
+    write_model(str(tmp_path / "m"), FAILING_MODEL)
+    monkeypatch.chdir(tmp_path)
+    path, importers = list(sys.path), set(sys.path_importer_cache)
+    model = python.load(os.path.join("m", "model.py"))
+    assert sys.path[0] == str(tmp_path / "m")
+    model.close()
+    assert sys.path == path and set(sys.path_importer_cache) >= importers
 
 
 def test_a_folder_on_sys_path_before_its_model_loaded_stays_there(tmp_path, compiled):

@@ -38,7 +38,7 @@ _folders_found_on_path: set[str] = set()
 
 def load(path: str) -> PythonModel:
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
-    folder = os.path.dirname(source)
+    folder = os.path.dirname(os.path.abspath(source))
     spec = importlib.util.spec_from_file_location("mesh_custom_model", source)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {source}")
@@ -121,7 +121,8 @@ def _release_from_path(folder: str) -> None:
     if folder in sys.path:
         sys.path.remove(folder)
     inside = os.path.join(folder, "")
-    for entry in [e for e in sys.path_importer_cache if e == folder or e.startswith(inside)]:
+    gone = [e for e in sys.path_importer_cache if (e == folder or e.startswith(inside)) and e not in sys.path]
+    for entry in gone:  # the folder's finders, and those of its subfolders no other model holds
         del sys.path_importer_cache[entry]
 
 
