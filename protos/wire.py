@@ -11,11 +11,16 @@
 - bytes_field_header(): a repeated bytes field may be appended to a
   serialised message; the front joins the worker's raw output frames onto
   the response that way, without parsing it.
+- length_delimited() and friends: the worker writes a ModelInferResponse
+  field by field, where building it through protobuf's Python objects would
+  cost more than the rest of a small call (workers/v2.py).
 
 Shared by the front and the workers, like the generated code beside it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
 
@@ -93,6 +98,28 @@ def split_bytes_field(data, number: int) -> tuple[bytes, list[memoryview]]:
 def bytes_field_header(number: int, length: int) -> bytes:
     """The key and length that precede a length-delimited field's value."""
     return _encode_varint((number << 3) | _LENGTH_DELIMITED) + _encode_varint(length)
+
+
+def length_delimited(number: int, value: bytes) -> bytes:
+    """A whole length-delimited field (bytes, string, sub-message, packed repeated): key, length, value."""
+    length = len(value)
+    if number < 16 and length < 128:  # key and length are a byte each: most fields of a small response
+        return bytes(((number << 3) | _LENGTH_DELIMITED, length)) + value
+    return bytes_field_header(number, length) + value
+
+
+def string_field_bytes(number: int, text: str) -> bytes:
+    """A proto3 string field as protobuf writes it: nothing at all when empty."""
+    return length_delimited(number, text.encode()) if text else b""
+
+
+def packed_varints(number: int, values: Sequence[int]) -> bytes:
+    """A packed repeated field of non-negative integers (a tensor's shape); nothing when empty."""
+    if not values:
+        return b""
+    if max(values) < 128:  # each value one byte, as in nearly every shape
+        return length_delimited(number, bytes(values))
+    return length_delimited(number, b"".join(map(_encode_varint, values)))
 
 
 def _encode_varint(value: int) -> bytes:

@@ -406,6 +406,31 @@ def test_numeric_outputs_round_trip(dtype, datatype, raw):
     np.testing.assert_array_equal(arrays["y"], value)
 
 
+CANONICAL_OUTPUTS = [
+    pytest.param({"y": np.array([5.1, 3.5, 1.4, 0.2], np.float32).reshape(1, 4)}, id="fp32-row"),
+    pytest.param({"y": np.linspace(-1, 1, 1000)}, id="fp64-1000"),
+    pytest.param({"y": np.arange(6, dtype=">f4").reshape(2, 3)}, id="fp32-big-endian"),
+    pytest.param({"y": np.array(2.5)}, id="scalar"),
+    pytest.param({"y": np.zeros((2, 0), np.float32)}, id="empty"),
+    pytest.param({"y": np.array([[-3, 2**40]], np.int64), "p": np.array([0.25], np.float32)}, id="two"),
+    pytest.param({"y": np.array([True, False]), "n": np.array([-1, 300], np.int16)}, id="bool-int16"),
+    pytest.param({"y": np.array([b"a", "ü".encode()], dtype=object)}, id="bytes"),
+    pytest.param({"y": np.arange(3, dtype=np.float16)}, id="fp16"),
+]
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+@pytest.mark.parametrize("outputs", CANONICAL_OUTPUTS)
+def test_response_is_written_as_protobuf_writes_it(outputs, raw):
+    """Written by hand, the response is byte for byte what protobuf would serialise."""
+    request = pb.ModelInferRequest(model_name="m" * 200, model_version="", id="req-ü")
+    data = v2.encode_response(request, outputs, raw)
+    response, arrays = response_arrays(data)
+    assert response.SerializeToString() == data
+    for name, value in outputs.items():
+        np.testing.assert_array_equal(arrays[name], value)
+
+
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_big_endian_output_is_sent_as_its_little_endian_datatype(raw):
     value = np.array([1, -2, 2**30], dtype=">i4")

@@ -213,3 +213,15 @@ def test_serialised_requests_give_back_their_model_name():
         assert wire.string_field(data, 1) == (model_name or None)
 
     check()
+
+
+def test_hand_written_fields_match_protobuf():
+    tensor = pb.ModelInferResponse.InferOutputTensor(name="ü" * 100, shape=[0, 1, 127, 128, 300, 2**40])
+    written = (
+        wire.string_field_bytes(1, tensor.name)
+        + wire.string_field_bytes(2, "")
+        + wire.packed_varints(3, list(tensor.shape))
+    )
+    assert written == tensor.SerializeToString()
+    assert wire.packed_varints(3, ()) == b"" and wire.string_field_bytes(1, "") == b""
+    assert wire.length_delimited(5, b"") == b"\x2a\x00"
