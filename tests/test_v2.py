@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from protos import grpc_predict_v2_pb2 as pb
-from workers import v2
+from workers import responses, v2
 
 # Independent of v2.DATATYPES on purpose: the wire format as the V2 protocol defines it.
 WIRE_DTYPE = {
@@ -396,7 +396,7 @@ NUMERIC_OUTPUTS = [
 @pytest.mark.parametrize("dtype, datatype", NUMERIC_OUTPUTS, ids=[d for _, d in NUMERIC_OUTPUTS])
 def test_numeric_outputs_round_trip(dtype, datatype, raw):
     value = _numeric_sample(np.dtype(dtype)).reshape(3, 2)
-    data = v2.encode_response(pb.ModelInferRequest(model_name="m"), {"y": value}, raw)
+    data = responses.encode_response(pb.ModelInferRequest(model_name="m"), {"y": value}, raw)
     response, arrays = response_arrays(data)
     (out,) = response.outputs
     assert (out.name, out.datatype, list(out.shape)) == ("y", datatype, [3, 2])
@@ -414,6 +414,8 @@ CANONICAL_OUTPUTS = [
     pytest.param({"y": np.zeros((2, 0), np.float32)}, id="empty"),
     pytest.param({"y": np.array([[-3, 2**40]], np.int64), "p": np.array([0.25], np.float32)}, id="two"),
     pytest.param({"y": np.array([True, False]), "n": np.array([-1, 300], np.int16)}, id="bool-int16"),
+    pytest.param({"y": np.array([0, 2, 127], np.int64), "u": np.array([128, 0], np.uint8)}, id="labels"),
+    pytest.param({"y": np.array([[1, 0]], np.uint64), "n": np.zeros((0, 3), np.int32)}, id="uint64-empty"),
     pytest.param({"y": np.array([b"a", "ü".encode()], dtype=object)}, id="bytes"),
     pytest.param({"y": np.arange(3, dtype=np.float16)}, id="fp16"),
 ]
@@ -424,7 +426,7 @@ CANONICAL_OUTPUTS = [
 def test_response_is_written_as_protobuf_writes_it(outputs, raw):
     """Written by hand, the response is byte for byte what protobuf would serialise."""
     request = pb.ModelInferRequest(model_name="m" * 200, model_version="", id="req-ü")
-    data = v2.encode_response(request, outputs, raw)
+    data = responses.encode_response(request, outputs, raw)
     response, arrays = response_arrays(data)
     assert response.SerializeToString() == data
     for name, value in outputs.items():
@@ -434,7 +436,7 @@ def test_response_is_written_as_protobuf_writes_it(outputs, raw):
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_big_endian_output_is_sent_as_its_little_endian_datatype(raw):
     value = np.array([1, -2, 2**30], dtype=">i4")
-    response, arrays = response_arrays(v2.encode_response(pb.ModelInferRequest(), {"y": value}, raw))
+    response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), {"y": value}, raw))
     assert response.outputs[0].datatype == "INT32"
     assert arrays["y"].tolist() == [1, -2, 2**30]
 
@@ -447,7 +449,7 @@ def test_bytes_and_str_outputs_round_trip_as_bytes(raw):
         "fixed": np.array([b"ab", b"c"], dtype="S2"),
         "mixed": np.array(["s", b"b"], dtype=object),
     }
-    response, arrays = response_arrays(v2.encode_response(pb.ModelInferRequest(), outputs, raw))
+    response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), outputs, raw))
     assert {o.name: o.datatype for o in response.outputs} == dict.fromkeys(outputs, "BYTES")
     assert len(response.raw_output_contents) == (len(outputs) if raw else 0)
     assert arrays["objects"].shape == (2, 2)
@@ -460,7 +462,7 @@ def test_bytes_and_str_outputs_round_trip_as_bytes(raw):
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_object_output_of_numpy_text_scalars_is_bytes(raw):
     value = np.array([np.str_("ü"), np.bytes_(b"b"), "", b""], dtype=object)
-    response, arrays = response_arrays(v2.encode_response(pb.ModelInferRequest(), {"y": value}, raw))
+    response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), {"y": value}, raw))
     assert response.outputs[0].datatype == "BYTES"
     assert arrays["y"].tolist() == ["ü".encode(), b"b", b"", b""]
 
@@ -479,8 +481,8 @@ OBJECT_OUTPUT_ERRORS = [
 @pytest.mark.parametrize("value, kind, index", OBJECT_OUTPUT_ERRORS)
 def test_object_output_holding_anything_but_text_is_bad_model_output(value, kind, index, raw):
     outputs = {"fine": np.array([1.5]), "y": value}
-    with pytest.raises(v2.BadModelOutput) as caught:
-        v2.encode_response(pb.ModelInferRequest(), outputs, raw)
+    with pytest.raises(responses.BadModelOutput) as caught:
+        responses.encode_response(pb.ModelInferRequest(), outputs, raw)
     assert str(caught.value) == (
         f"output 'y' holds {kind} at index {index}; an object output must hold bytes or str"
     )
@@ -488,14 +490,16 @@ def test_object_output_holding_anything_but_text_is_bad_model_output(value, kind
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_object_output_str_that_utf8_cannot_encode_is_bad_model_output(raw):
-    with pytest.raises(v2.BadModelOutput, match="output 'y' holds a str at index 1 that UTF-8 cannot encode"):
-        v2.encode_response(pb.ModelInferRequest(), {"y": np.array(["a", "\ud800"], dtype=object)}, raw)
+    with pytest.raises(
+        responses.BadModelOutput, match="output 'y' holds a str at index 1 that UTF-8 cannot encode"
+    ):
+        responses.encode_response(pb.ModelInferRequest(), {"y": np.array(["a", "\ud800"], dtype=object)}, raw)
 
 
 def test_bad_object_output_that_was_not_requested_is_not_checked():
     request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="ok")])
     outputs = {"ok": np.array([b"x"], dtype=object), "junk": np.array([None], dtype=object)}
-    response, arrays = response_arrays(v2.encode_response(request, outputs, False))
+    response, arrays = response_arrays(responses.encode_response(request, outputs, False))
     assert [o.name for o in response.outputs] == ["ok"] and arrays["ok"].tolist() == [b"x"]
 
 
@@ -508,21 +512,21 @@ def test_requested_outputs_select_and_order(raw):
         ]
     )
     outputs = {"a": np.array([1], np.int32), "b": np.array([2], np.int32), "c": np.array([3.5], np.float64)}
-    response, arrays = response_arrays(v2.encode_response(request, outputs, raw))
+    response, arrays = response_arrays(responses.encode_response(request, outputs, raw))
     assert [o.name for o in response.outputs] == ["c", "a"]
     assert arrays["c"].tolist() == [3.5] and arrays["a"].tolist() == [1]
 
 
 def test_all_outputs_in_model_order_when_none_requested():
     outputs = {"z": np.array([1], np.int8), "a": np.array([2], np.int8)}
-    response, _ = response_arrays(v2.encode_response(pb.ModelInferRequest(), outputs, False))
+    response, _ = response_arrays(responses.encode_response(pb.ModelInferRequest(), outputs, False))
     assert [o.name for o in response.outputs] == ["z", "a"]
 
 
 def test_unknown_requested_output_is_invalid_input():
     request = pb.ModelInferRequest(outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="nope")])
     with pytest.raises(v2.InvalidInput) as caught:
-        v2.encode_response(request, {"y": np.array([1])}, False)
+        responses.encode_response(request, {"y": np.array([1])}, False)
     message = str(caught.value)
     assert "'nope'" in message
     assert "not found" not in message.lower()
@@ -530,7 +534,7 @@ def test_unknown_requested_output_is_invalid_input():
 
 def test_float16_output_forces_a_raw_response():
     outputs = {"i": np.array([1, 2], np.int32), "h": np.array([0.5, -2.0], np.float16)}
-    response, arrays = response_arrays(v2.encode_response(pb.ModelInferRequest(), outputs, False))
+    response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), outputs, False))
     assert [(o.name, o.datatype) for o in response.outputs] == [("i", "INT32"), ("h", "FP16")]
     assert len(response.raw_output_contents) == 2
     assert not any(o.HasField("contents") for o in response.outputs)
@@ -544,22 +548,22 @@ def test_float16_output_forces_a_raw_response():
     ids=["complex", "datetime64"],
 )
 def test_unsupported_output_dtype_is_bad_model_output(value):
-    with pytest.raises(v2.BadModelOutput, match="'y'"):
-        v2.encode_response(pb.ModelInferRequest(), {"y": value}, False)
+    with pytest.raises(responses.BadModelOutput, match="'y'"):
+        responses.encode_response(pb.ModelInferRequest(), {"y": value}, False)
 
 
 @pytest.mark.parametrize(
     "outputs", [[np.array([1])], np.array([1]), None, "y"], ids=["list", "ndarray", "None", "str"]
 )
 def test_non_dict_outputs_are_bad_model_output(outputs):
-    with pytest.raises(v2.BadModelOutput, match="dict"):
-        v2.encode_response(pb.ModelInferRequest(), outputs, False)
+    with pytest.raises(responses.BadModelOutput, match="dict"):
+        responses.encode_response(pb.ModelInferRequest(), outputs, False)
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_response_echoes_model_name_version_and_id(raw):
     request = pb.ModelInferRequest(model_name="モデル-ü__isvc-1", model_version="3", id="req-42")
-    response, _ = response_arrays(v2.encode_response(request, {"y": np.array([1.0])}, raw))
+    response, _ = response_arrays(responses.encode_response(request, {"y": np.array([1.0])}, raw))
     assert (response.model_name, response.model_version, response.id) == ("モデル-ü__isvc-1", "3", "req-42")
 
 
@@ -572,7 +576,7 @@ def test_decoded_request_round_trips_through_encode(raw):
         request = typed_request(("x", "INT16", [2, 3], "int_contents", value.ravel().tolist()))
     inputs, _, was_raw = v2.decode_request(request)
     assert was_raw is raw
-    response, arrays = response_arrays(v2.encode_response(request, inputs, was_raw))
+    response, arrays = response_arrays(responses.encode_response(request, inputs, was_raw))
     assert len(response.raw_output_contents) == (1 if raw else 0)
     np.testing.assert_array_equal(arrays["x"], value)
 
@@ -587,7 +591,7 @@ def test_metadata_response_from_dict():
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 3]}],
         "outputs": [{"name": "y", "datatype": "INT64"}, {"name": "z", "datatype": "BYTES", "shape": [1]}],
     }
-    response = pb.ModelMetadataResponse.FromString(v2.metadata_response("m-1", "sklearn", metadata))
+    response = pb.ModelMetadataResponse.FromString(responses.metadata_response("m-1", "sklearn", metadata))
     assert response.name == "m-1"
     assert list(response.versions) == ["1", "2"]
     assert response.platform == "onnx"
@@ -600,7 +604,7 @@ def test_metadata_response_from_dict():
 
 @pytest.mark.parametrize("metadata", [None, {}], ids=["None", "empty"])
 def test_metadata_response_without_metadata(metadata):
-    response = pb.ModelMetadataResponse.FromString(v2.metadata_response("m-1", "sklearn", metadata))
+    response = pb.ModelMetadataResponse.FromString(responses.metadata_response("m-1", "sklearn", metadata))
     assert response.name == "m-1"
     assert response.platform == "sklearn"
     assert list(response.versions) == []
@@ -613,6 +617,6 @@ def test_the_rehearsal_requests_decode_typed_and_raw_and_encode_back():
         request = pb.ModelInferRequest.FromString(request_bytes)
         inputs, _, raw = v2.decode_request(request)
         assert inputs["x"].shape == (1, 4) and not inputs["x"].any()
-        assert pb.ModelInferResponse.FromString(v2.encode_response(request, inputs, raw)).outputs
+        assert pb.ModelInferResponse.FromString(responses.encode_response(request, inputs, raw)).outputs
         seen_raw.append(raw)
     assert sorted(seen_raw) == [False, True]

@@ -48,7 +48,7 @@ import zmq
 from plumbing import heap, lifeline
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, protocol, v2
+from workers import batching, protocol, responses, v2
 from workers.holding import Held, Holdings
 
 log = logging.getLogger("mesh.worker")
@@ -303,7 +303,7 @@ class Worker:
             call = self._decode(request_id, request, held)
             return self._infer_reply(call, self._predict(call, call.inputs))
         if method == protocol.METHOD_METADATA:
-            body = v2.metadata_response(held.model_id, held.format, held.model.metadata())
+            body = responses.metadata_response(held.model_id, held.format, held.model.metadata())
         elif getattr(held.model, "handles_methods", False):
             body = held.model.handle(method, bytes(request))
             if not isinstance(body, (bytes, bytearray, memoryview)):  # ZeroMQ would raise on sending it
@@ -335,7 +335,7 @@ class Worker:
 
     @staticmethod
     def _infer_reply(call: batching.InferCall, outputs) -> list:
-        body, buffers = v2.encode_response_parts(call.request, outputs, call.raw, call.requested)
+        body, buffers = responses.encode_response_parts(call.request, outputs, call.raw, call.requested)
         return [protocol.reply(call.request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
 
     def _decoded_for_batch(self, header: dict, payloads: list) -> batching.InferCall | None:

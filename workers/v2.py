@@ -1,13 +1,10 @@
-"""KServe V2 tensors <-> numpy, inside the worker.
+"""KServe V2 requests -> numpy, inside the worker.
 
 decode_request() turns a ModelInferRequest into `dict[name, numpy.ndarray]`;
 raw_input_contents become arrays over the received bytes (numpy.frombuffer,
-no copy). encode_response() turns the model's outputs back into a
-ModelInferResponse, raw when the request was raw, writing the bytes itself:
-building the message through protobuf's Python objects cost more than the
-rest of a small call's encoding. Anything wrong with the request raises
-InvalidInput (INVALID_ARGUMENT); anything wrong with what the model returned
-raises BadModelOutput (INTERNAL).
+no copy). Anything wrong with the request raises InvalidInput
+(INVALID_ARGUMENT). The way back, outputs to a ModelInferResponse, is
+workers/responses.py; both share the DATATYPES table here.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from protos import grpc_predict_v2_pb2 as pb
-from protos import wire
 
 # ModelInferRequest.raw_input_contents and ModelInferResponse.raw_output_contents
 RAW_INPUT_FIELD = 7
@@ -43,22 +39,12 @@ DATATYPES: dict[str, tuple[np.dtype, str | None]] = {
     "BYTES": (np.dtype(object), "bytes_contents"),
 }
 
-# Typed contents written by hand: datatype -> field number in InferTensorContents.
-_PACKED_AS_BYTES = {"FP32": 6, "FP64": 7}
-
-# numpy dtype -> datatype, for outputs (keyed by the dtype itself: dtype.str builds a string each time)
-_DATATYPE_OF = {dtype: name for name, (dtype, _) in DATATYPES.items() if name not in ("BF16", "BYTES")}
-
 # Refuse absurd shapes before allocating anything: 2**40 elements is 4 TiB of FP32.
 MAX_ELEMENTS = 1 << 40
 
 
 class InvalidInput(ValueError):
     """The request does not fit the V2 rules or the model."""
-
-
-class BadModelOutput(ValueError):
-    """The model returned something V2 cannot carry."""
 
 
 def sample_requests() -> list[bytes]:
@@ -216,177 +202,3 @@ def _from_contents(tensor, count: int) -> np.ndarray:
             f"input {tensor.name!r}: a value does not fit {tensor.datatype} ({limits.min}..{limits.max})"
         )
     return wide.astype(dtype)
-
-
-def encode_response(request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool) -> bytes:
-    """The model's outputs as one serialised ModelInferResponse for `request`."""
-    body, buffers = encode_response_parts(request, outputs, raw)
-    return body + b"".join(wire.bytes_field_header(RAW_OUTPUT_FIELD, len(b)) + bytes(b) for b in buffers)
-
-
-def encode_response_parts(
-    request: pb.ModelInferRequest, outputs: dict[str, Any], raw: bool, requested: list[str] | None = None
-) -> tuple[bytes, list]:
-    """-> (the response without raw_output_contents, the raw output buffers).
-
-    requested: the request's output names when the caller has read them already.
-
-    The buffers view the output arrays (no copy) and travel as separate ZeroMQ
-    frames; appending each as field RAW_OUTPUT_FIELD to the body gives the
-    full response, which the front does without parsing it.
-    """
-    if not isinstance(outputs, dict):
-        raise BadModelOutput(f"predict() returned {type(outputs).__name__}, expected a dict of arrays")
-    if requested is None:
-        requested = output_names(request)
-    wanted = requested or list(outputs)
-    missing = [name for name in wanted if name not in outputs]
-    if missing:
-        raise InvalidInput(
-            f"requested output {missing[0]!r} is not produced by the model "
-            f"(outputs: {', '.join(map(str, outputs))})"
-        )
-    tensors = [(name, *_output_tensor(name, outputs[name])) for name in wanted]
-    # FP16 exists only raw, and raw is all-or-nothing across a response.
-    raw = raw or "FP16" in [datatype for _, datatype, _ in tensors]
-    # Written field by field (protos/grpc_predict_v2.proto): model_name 1, model_version 2,
-    # id 3, outputs 5; in each output, name 1, datatype 2, shape 3, contents 5.
-    fields = [
-        wire.string_field_bytes(1, request.model_name),
-        wire.string_field_bytes(2, request.model_version),
-        wire.string_field_bytes(3, request.id),
-    ]
-    buffers = []
-    for name, datatype, array in tensors:
-        head = _tensor_head(name, datatype, array.shape)
-        if raw:
-            buffers.append(_to_raw(name, datatype, array))
-            fields.append(wire.length_delimited(5, head))
-        else:  # contents written even when empty, as protobuf does
-            fields.append(
-                wire.length_delimited(5, head + wire.length_delimited(5, _contents(name, datatype, array)))
-            )
-    return b"".join(fields), buffers
-
-
-# (name, datatype, shape) -> an output tensor's first three fields: a model
-# answers with the same few over and over. Emptied when full.
-_heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
-HEADS_MAX = 1024
-
-
-def _tensor_head(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
-    """InferOutputTensor's name, datatype and shape, serialised."""
-    key = (name, datatype, shape)
-    head = _heads.get(key)
-    if head is None:
-        if len(_heads) >= HEADS_MAX:
-            _heads.clear()
-        head = _heads[key] = (
-            wire.string_field_bytes(1, name)
-            + wire.string_field_bytes(2, datatype)
-            + wire.packed_varints(3, shape)
-        )
-    return head
-
-
-def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
-    array = np.asarray(value)
-    dtype = array.dtype
-    datatype = _DATATYPE_OF.get(dtype)
-    if datatype is not None:
-        return datatype, array
-    if dtype.kind in "OSU":
-        return "BYTES", array
-    # Big-endian arrays are named by their little-endian twin; _to_raw converts.
-    datatype = _DATATYPE_OF.get(dtype.newbyteorder("<"))
-    if datatype is None:
-        raise BadModelOutput(f"output {name!r} has dtype {dtype}, which V2 cannot carry")
-    return datatype, array
-
-
-def _bytes_elements_of(name: str, array: np.ndarray) -> list[bytes]:
-    """A BYTES output's elements: bytes as they are, str encoded UTF-8.
-
-    Anything else (a number, None, an object) is the model's error: sending
-    its str() would hand the client text the model never produced.
-    """
-    elements = []
-    for index, element in enumerate(array.ravel()):
-        if isinstance(element, bytes):  # numpy.bytes_ too
-            elements.append(element)
-        elif isinstance(element, str):  # numpy.str_ too
-            elements.append(_utf8(name, array, index, element))
-        else:
-            raise BadModelOutput(
-                f"output {name!r} holds {type(element).__name__} at index "
-                f"{_position(array, index)}; an object output must hold bytes or str"
-            )
-    return elements
-
-
-def _utf8(name: str, array: np.ndarray, index: int, text: str) -> bytes:
-    try:
-        return text.encode()
-    except UnicodeEncodeError as error:  # a lone surrogate
-        raise BadModelOutput(
-            f"output {name!r} holds a str at index {_position(array, index)} "
-            f"that UTF-8 cannot encode ({error.reason})"
-        ) from None
-
-
-def _position(array: np.ndarray, flat_index: int) -> str:
-    """An element's index as the model would write it: (row, column) in a 2-D output."""
-    if array.ndim <= 1:
-        return str(flat_index)
-    return str(tuple(int(i) for i in np.unravel_index(flat_index, array.shape)))
-
-
-def _to_raw(name: str, datatype: str, array: np.ndarray) -> bytes | memoryview:
-    if datatype == "BYTES":
-        parts = []
-        for data in _bytes_elements_of(name, array):
-            parts.append(struct.pack("<I", len(data)))
-            parts.append(data)
-        return b"".join(parts)
-    flat = np.ascontiguousarray(array, dtype=DATATYPES[datatype][0]).reshape(-1)
-    return flat.view(np.uint8).data  # memoryview(array): the stubs type ndarray as a Buffer only on 3.12+
-
-
-def _contents(name: str, datatype: str, array: np.ndarray) -> bytes:
-    """A typed output's serialised InferTensorContents.
-
-    Floats by hand: a packed repeated float or double is the values' own
-    little-endian bytes. The rest through protobuf, which writes varints in C.
-    """
-    dtype, field = DATATYPES[datatype]
-    if datatype in _PACKED_AS_BYTES:
-        data = np.ascontiguousarray(array, dtype=dtype).tobytes()
-        return wire.length_delimited(_PACKED_AS_BYTES[datatype], data) if data else b""
-    # Only FP16 and BF16 have no contents field: FP16 outputs go raw, and no output is BF16.
-    assert field is not None, datatype
-    contents = pb.InferTensorContents()
-    values = getattr(contents, field)
-    if datatype == "BYTES":
-        values.extend(_bytes_elements_of(name, array))
-    else:
-        values.extend(array.ravel().tolist())
-    return contents.SerializeToString()
-
-
-def metadata_response(model_name: str, platform: str, metadata: dict | None) -> bytes:
-    """A serialised ModelMetadataResponse from a model's metadata() dict (or none)."""
-    metadata = metadata or {}
-    response = pb.ModelMetadataResponse(
-        name=model_name,
-        versions=[str(v) for v in metadata.get("versions", [])],
-        platform=str(metadata.get("platform", platform)),
-    )
-    for kind in ("inputs", "outputs"):
-        for tensor in metadata.get(kind, []):
-            getattr(response, kind).add(
-                name=str(tensor["name"]),
-                datatype=str(tensor["datatype"]),
-                shape=[int(d) for d in tensor.get("shape", [])],
-            )
-    return response.SerializeToString()

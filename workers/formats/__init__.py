@@ -8,7 +8,7 @@ exposes `load(path) -> model`, an object with:
     predict(inputs, parameters, requested_outputs) -> dict[str, array]
         inputs: dict[str, numpy.ndarray]; parameters: the request's parameters
         as plain values; requested_outputs: output names the request asked for
-        (empty: the format's default outputs). v2.encode_response selects and
+        (empty: the format's default outputs). responses.encode_response selects and
         orders what is returned.
     metadata() -> dict | None   {"inputs"/"outputs": [{name, datatype, shape}],
                                  "platform": str}, None when unknown

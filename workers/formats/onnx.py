@@ -183,7 +183,7 @@ class OnnxModel:
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         feed = {graph_input.name: _fed(graph_input, inputs) for graph_input in self.inputs}
         # Run only what was asked for; a name the graph lacks is left out here
-        # and reported by v2.encode_response as INVALID_ARGUMENT.
+        # and reported by responses.encode_response as INVALID_ARGUMENT.
         wanted = [name for name in requested_outputs if name in self.output_names] or self.output_names
         return dict(zip(wanted, self.session.run(wanted, feed), strict=True))
 

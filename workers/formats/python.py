@@ -211,7 +211,7 @@ class PythonModel:
         self._predict_takes_parameters = _takes_parameters(model.predict)
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
-        # The user's model returns all its outputs; v2.encode_response selects.
+        # The user's model returns all its outputs; responses.encode_response selects.
         if self._predict_takes_parameters:
             return self._model.predict(inputs, parameters)
         return self._model.predict(inputs)

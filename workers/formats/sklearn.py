@@ -115,7 +115,7 @@ class SklearnModel:
             outputs[PREDICT] = self.estimator.predict(features)
         if PREDICT_PROBA in requested_outputs and self.has_proba:
             outputs[PREDICT_PROBA] = self.estimator.predict_proba(features)
-        # A requested output we do not produce is reported by v2.encode_response.
+        # A requested output we do not produce is reported by responses.encode_response.
         return outputs
 
     def _features(self, array: np.ndarray) -> np.ndarray:
