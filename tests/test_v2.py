@@ -552,6 +552,14 @@ def test_unsupported_output_dtype_is_bad_model_output(value):
         responses.encode_response(pb.ModelInferRequest(), {"y": value}, False)
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_output_named_by_anything_but_str_is_bad_model_output(raw):
+    with pytest.raises(
+        responses.BadModelOutput, match="output name 0 is of type int; V2 names outputs with str"
+    ):
+        responses.encode_response(pb.ModelInferRequest(), {0: np.array([1.0])}, raw)
+
+
 @pytest.mark.parametrize(
     "outputs", [[np.array([1])], np.array([1]), None, "y"], ids=["list", "ndarray", "None", "str"]
 )

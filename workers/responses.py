@@ -102,6 +102,10 @@ def _tensor_head(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
 
 
 def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
+    if not isinstance(name, str):
+        raise BadModelOutput(
+            f"output name {name!r} is of type {type(name).__name__}; V2 names outputs with str"
+        )
     array = np.asarray(value)
     dtype = array.dtype
     datatype = _DATATYPE_OF.get(dtype)
