@@ -13,7 +13,7 @@
   the response that way, without parsing it.
 - length_delimited() and friends: the worker writes a ModelInferResponse
   field by field, where building it through protobuf's Python objects would
-  cost more than the rest of a small call (workers/v2.py).
+  cost more than the rest of a small call (workers/responses.py).
 
 Shared by the front and the workers, like the generated code beside it.
 """

@@ -553,11 +553,27 @@ def test_unsupported_output_dtype_is_bad_model_output(value):
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
-def test_output_named_by_anything_but_str_is_bad_model_output(raw):
-    with pytest.raises(
-        responses.BadModelOutput, match="output name 0 is of type int; V2 names outputs with str"
-    ):
-        responses.encode_response(pb.ModelInferRequest(), {0: np.array([1.0])}, raw)
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (0, "output name 0 is of type int; V2 names outputs with str"),
+        (None, "output name None is of type NoneType; V2 names outputs with str"),
+        (b"\xff", "output name b'\\xff' is not UTF-8"),
+        ("a\ud800", "output name 'a\\ud800' cannot be written in UTF-8 (surrogates not allowed)"),
+    ],
+    ids=["int", "None", "bad-bytes", "surrogate"],
+)
+def test_output_name_that_v2_cannot_carry_is_bad_model_output(name, message, raw):
+    with pytest.raises(responses.BadModelOutput) as caught:
+        responses.encode_response(pb.ModelInferRequest(), {name: np.array([1.0])}, raw)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_output_named_by_utf8_bytes_is_named_by_their_text(raw):
+    data = responses.encode_response(pb.ModelInferRequest(), {"ü".encode(): np.array([1.0])}, raw)
+    response, arrays = response_arrays(data)
+    assert response.outputs[0].name == "ü" and arrays["ü"].tolist() == [1.0]
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def encode_response_parts(
             f"requested output {missing[0]!r} is not produced by the model "
             f"(outputs: {', '.join(map(str, outputs))})"
         )
-    tensors = [(name, *_output_tensor(name, outputs[name])) for name in wanted]
+    tensors = [(_output_name(name), *_output_tensor(name, outputs[name])) for name in wanted]
     # FP16 exists only raw, and raw is all-or-nothing across a response.
     raw = raw or "FP16" in [datatype for _, datatype, _ in tensors]
     # Written field by field (protos/grpc_predict_v2.proto): model_name 1, model_version 2,
@@ -93,19 +93,33 @@ def _tensor_head(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
     if head is None:
         if len(_heads) >= HEADS_MAX:
             _heads.clear()
+        try:
+            written_name = wire.string_field_bytes(1, name)
+        except UnicodeEncodeError as error:  # a lone surrogate
+            raise BadModelOutput(
+                f"output name {name!r} cannot be written in UTF-8 ({error.reason})"
+            ) from None
         head = _heads[key] = (
-            wire.string_field_bytes(1, name)
-            + wire.string_field_bytes(2, datatype)
-            + wire.packed_varints(3, shape)
+            written_name + wire.string_field_bytes(2, datatype) + wire.packed_varints(3, shape)
         )
     return head
 
 
-def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
+def _output_name(name: Any) -> str:
+    """An output's name: a str, or bytes holding UTF-8 (protobuf's message took those too)."""
+    if isinstance(name, bytes):
+        try:
+            return name.decode()
+        except UnicodeDecodeError:
+            raise BadModelOutput(f"output name {name!r} is not UTF-8") from None
     if not isinstance(name, str):
         raise BadModelOutput(
             f"output name {name!r} is of type {type(name).__name__}; V2 names outputs with str"
         )
+    return name
+
+
+def _output_tensor(name: str, value: Any) -> tuple[str, np.ndarray]:
     array = np.asarray(value)
     dtype = array.dtype
     datatype = _DATATYPE_OF.get(dtype)
