@@ -433,6 +433,15 @@ def test_response_is_written_as_protobuf_writes_it(outputs, raw):
         np.testing.assert_array_equal(arrays[name], value)
 
 
+def test_kept_tensor_heads_stay_bounded_and_right():
+    """Each (name, datatype, shape) keeps its written bytes; a model of ever new shapes must not grow them."""
+    for rows in range(responses.HEADS_MAX + 10):
+        value = np.zeros((rows, 2), np.float32)
+        data = responses.encode_response(pb.ModelInferRequest(), {"y": value}, False)
+        assert response_arrays(data)[1]["y"].shape == (rows, 2)
+        assert len(responses._heads) <= responses.HEADS_MAX
+
+
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_big_endian_output_is_sent_as_its_little_endian_datatype(raw):
     value = np.array([1, -2, 2**30], dtype=">i4")
