@@ -109,8 +109,7 @@ class WorkerPool:
         self._closed.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        # A spawn under way is let finish, not cancelled: cancelling it could
-        # lose a process the fork server is forking at that very moment.
+        # A spawn under way is let finish: cancelling it could lose a process being forked right now.
         if self._refill_task is not None:
             await asyncio.gather(self._refill_task, return_exceptions=True)
         workers = list(self._workers.values())
@@ -300,6 +299,7 @@ class WorkerPool:
             "front": lifeline.process_identity(os.getpid()),
             "threads": self.settings.worker_threads,
             "batch_max": self.settings.worker_batch_max,
+            "batch_wait": self.settings.worker_batch_wait_us / 1e6,
             "sched_batch": self.settings.worker_sched_batch,
             "runtime_dir": self.settings.runtime_dir,
             "log_level": self.settings.log_level,

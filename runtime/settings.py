@@ -62,6 +62,7 @@ class Settings:
     model_pack_max_bytes: int
     worker_threads: int
     worker_batch_max: int
+    worker_batch_wait_us: int
     model_queue_max: int
     limit_model_concurrency: bool
     allow_any_method: bool

@@ -192,6 +192,14 @@ VARIABLES: tuple[Variable, ...] = (
         parse.at_least(1),
     ),
     Variable(
+        "WORKER_BATCH_WAIT_US",
+        parse.whole_number,
+        150,
+        "such a worker whose last calls came queued together waits up to this long for another "
+        "before it predicts, when none is queued (0: never waits)",
+        parse.at_least(0),
+    ),
+    Variable(
         "MODEL_QUEUE_MAX",
         parse.whole_number,
         128,

@@ -270,3 +270,83 @@ def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gon
         assert not serving.is_alive(), "the worker kept waiting for a front that is gone"
     finally:
         stop_serving(worker, serving, router)
+
+
+@pytest.fixture
+def wired(tmp_path):
+    """A worker of a row-wise model on a ROUTER the test holds (not serving: the test drives it)."""
+    address = f"ipc://{tmp_path}/wired.sock"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    worker = Worker(
+        {"address": address, "identity": b"unit", "heartbeat_timeout": 1, "batch_max": 4, "batch_wait": 0.001}
+    )
+    hold(worker, CountingModel(), fmt="sklearn", batches_rows=True)
+    handled = []
+    worker.handle = lambda messages: handled.append(len(messages))
+    worker.socket.send(b"")  # the router learns the worker's identity from its first message
+    router.recv_multipart()
+    yield worker, router, handled
+    router.close(linger=0)
+    worker.socket.close(linger=0)
+    worker.context.term()
+
+
+def send_call(worker, router, request_id):
+    header = protocol.header(
+        protocol.OP_CALL, request_id, model="m", method=protocol.METHOD_INFER, deadline=None
+    )
+    router.send_multipart([b"unit", header, raw_request()])
+
+
+def wait_until_queued(worker):
+    assert worker.waiter.wait(5000), "the call never reached the worker"
+
+
+def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, monkeypatch):
+    worker, router, handled = wired
+    worker.last_batch = 2
+    send_call(worker, router, 1)
+    wait_until_queued(worker)
+    slept = []
+
+    def a_call_arrives_meanwhile(seconds):
+        slept.append(seconds)
+        send_call(worker, router, 2)
+        wait_until_queued(worker)
+
+    monkeypatch.setattr(time, "sleep", a_call_arrives_meanwhile)
+    worker.receive_queued()
+    assert slept == [0.001] and handled == [2] and worker.last_batch == 2
+
+
+@pytest.mark.parametrize(
+    "last_batch, wait, batch_max",
+    [(1, 0.001, 4), (2, 0.0, 4), (2, 0.001, 1)],
+    ids=["a call alone before", "waiting off", "batch full"],
+)
+def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
+    wired, monkeypatch, last_batch, wait, batch_max
+):
+    worker, router, handled = wired
+    worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
+    send_call(worker, router, 1)
+    wait_until_queued(worker)
+    monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))
+    worker.receive_queued()
+    assert handled == [1] and worker.last_batch == 1
+
+
+def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(wired, monkeypatch):
+    worker, router, handled = wired
+    worker.last_batch = 3
+    send_call(worker, router, 1)
+    wait_until_queued(worker)
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    worker.receive_queued()
+    send_call(worker, router, 2)
+    wait_until_queued(worker)
+    worker.receive_queued()
+    assert slept == [0.001] and handled == [1, 1]

@@ -6,8 +6,9 @@ scikit-learn's input checks take ~240 us for one iris row and about as long
 for eight. So when several ModelInfer calls already wait in the worker's
 socket (the front lets such a worker hold WORKER_BATCH_MAX of them), the
 worker stacks their rows, predicts once and hands each call its own rows
-back. Nothing waits to fill a batch: a call that arrives alone runs alone,
-at once.
+back. A call that arrives alone runs alone, at once, unless the calls
+before it came queued together: then more are likely on their way, and the
+worker waits up to WORKER_BATCH_WAIT_US for one (workers/loop.py).
 
 Calls share a predict only when they look alike: the same input names,
 datatypes and row shapes, the same requested outputs and parameters. The

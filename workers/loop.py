@@ -82,6 +82,8 @@ class Worker:
         if self.front_exit is not None:
             self.waiter.add(self.front_exit)
         self.batch_max = config.get("batch_max", 1)
+        self.batch_wait = config.get("batch_wait", 0.0)  # seconds
+        self.last_batch = 0  # messages handled at the last wake-up
         threads = config.get("threads", 1)
         self.models = Holdings(self.batch_max, threads)
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -172,15 +174,28 @@ class Worker:
     def receive_queued(self) -> None:
         """Handles the message the poll found, with those queued behind it when they may share a predict."""
         messages = []
+        may_wait = self.last_batch > 1  # calls came together last time: more may be on their way
         while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
             messages.append((header, [frame.buffer for frame in payloads]))
             self.note_sizes(payloads)
             # Other models gain nothing from seeing the queue, and the next poll looks anyway.
-            if not self.models.batches_rows or not protocol.readable(self.socket):
+            if not self.models.batches_rows:
                 break
+            if not protocol.readable(self.socket):
+                if not may_wait or len(messages) >= self.batch_max or not self.wait_for_another():
+                    break
+                may_wait = False  # once a wake-up
+        self.last_batch = len(messages)
         self.handle(messages)
+
+    def wait_for_another(self) -> bool:
+        """Sleeps batch_wait (one more call on a shared predict costs far less than its own); any message?"""
+        if self.batch_wait <= 0:
+            return False
+        time.sleep(self.batch_wait)
+        return protocol.readable(self.socket)
 
     def forward_replies(self) -> None:
         """Passes the reply the poll found, and any other the call threads finished, on to the front."""
