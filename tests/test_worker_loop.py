@@ -322,15 +322,16 @@ def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, mon
 
 
 @pytest.mark.parametrize(
-    "last_batch, wait, batch_max",
-    [(1, 0.001, 4), (2, 0.0, 4), (2, 0.001, 1)],
-    ids=["a call alone before", "waiting off", "batch full"],
+    "last_batch, wait, batch_max, pool",
+    [(1, 0.001, 4, None), (2, 0.0, 4, None), (2, 0.001, 1, None), (2, 0.001, 4, "threads")],
+    ids=["a call alone before", "waiting off", "batch full", "call threads"],
 )
 def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
-    wired, monkeypatch, last_batch, wait, batch_max
+    wired, monkeypatch, last_batch, wait, batch_max, pool
 ):
     worker, router, handled = wired
     worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
+    worker.pool = pool  # stands for WORKER_THREADS > 1: only whether there is one matters here
     send_call(worker, router, 1)
     wait_until_queued(worker)
     monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))

@@ -174,7 +174,8 @@ class Worker:
     def receive_queued(self) -> None:
         """Handles the message the poll found, with those queued behind it when they may share a predict."""
         messages = []
-        may_wait = self.last_batch > 1  # calls came together last time: more may be on their way
+        # Calls came together last time: more may be on their way. (Call threads do not batch.)
+        may_wait = self.last_batch > 1 and self.pool is None
         while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
