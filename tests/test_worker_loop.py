@@ -294,13 +294,11 @@ def wired(tmp_path):
 
 
 def send_call(worker, router, request_id):
+    """Sends the worker a call and returns once it can be read there."""
     header = protocol.header(
         protocol.OP_CALL, request_id, model="m", method=protocol.METHOD_INFER, deadline=None
     )
     router.send_multipart([b"unit", header, raw_request()])
-
-
-def wait_until_queued(worker):
     assert worker.waiter.wait(5000), "the call never reached the worker"
 
 
@@ -308,13 +306,11 @@ def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, mon
     worker, router, handled = wired
     worker.last_batch = 2
     send_call(worker, router, 1)
-    wait_until_queued(worker)
     slept = []
 
     def a_call_arrives_meanwhile(seconds):
         slept.append(seconds)
         send_call(worker, router, 2)
-        wait_until_queued(worker)
 
     monkeypatch.setattr(time, "sleep", a_call_arrives_meanwhile)
     worker.receive_queued()
@@ -333,7 +329,6 @@ def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
     worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
     worker.pool = pool  # stands for WORKER_THREADS > 1: only whether there is one matters here
     send_call(worker, router, 1)
-    wait_until_queued(worker)
     monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))
     worker.receive_queued()
     assert handled == [1] and worker.last_batch == 1
@@ -343,11 +338,9 @@ def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(w
     worker, router, handled = wired
     worker.last_batch = 3
     send_call(worker, router, 1)
-    wait_until_queued(worker)
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
     worker.receive_queued()
     send_call(worker, router, 2)
-    wait_until_queued(worker)
     worker.receive_queued()
     assert slept == [0.001] and handled == [1, 1]
