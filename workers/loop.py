@@ -175,7 +175,7 @@ class Worker:
         """Handles the message the poll found, with those queued behind it when they may share a predict."""
         messages = []
         # Calls came together last time: more may be on their way. (Call threads do not batch.)
-        may_wait = self.last_batch > 1 and self.pool is None
+        may_wait = self.batch_wait > 0 and self.last_batch > 1 and self.pool is None
         while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
@@ -193,8 +193,6 @@ class Worker:
 
     def wait_for_another(self) -> bool:
         """Sleeps batch_wait (one more call on a shared predict costs far less than its own); any message?"""
-        if self.batch_wait <= 0:
-            return False
         time.sleep(self.batch_wait)
         return protocol.readable(self.socket)
 
