@@ -89,6 +89,7 @@ class Dispatcher:
             method,
             request,
             deadline,
+            model.replicas.unanswered_per_replica(),
             on_end=lambda: model.replicas.release(worker),
             overdue_after=limit_ms / 1000 if limit_ms else None,
             on_overdue=lambda: self._overdue(model.model_id, worker),

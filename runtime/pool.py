@@ -183,16 +183,14 @@ class WorkerPool:
         method: str,
         request: bytes,
         deadline: float | None,
+        in_flight: int,
         on_end,
         overdue_after: float | None,
         on_overdue,
     ) -> asyncio.Future:
-        """Sends one call; the future resolves to (reply header, payload frames) or raises PeerGone.
-
-        `on_end` runs once the worker is done with the call (answered or died), whether or not anyone
-        still waits; `on_overdue()` runs, and its error ends the call, if it is unanswered
-        `overdue_after` seconds later (see Channel.submit).
-        """
+        """Sends one call (header fields: workers/protocol.py); resolves to (reply header, payload
+        frames) or raises PeerGone. `on_end` runs once the worker is done with it, answered or dead,
+        whether or not anyone still waits; `on_overdue` as in Channel.submit."""
         return self.channel.submit(
             worker.identity,
             protocol.OP_CALL,
@@ -203,6 +201,7 @@ class WorkerPool:
             model=model_id,
             method=method,
             deadline=deadline,
+            in_flight=in_flight,
         )
 
     def kill(self, worker: Worker, cause: KillCause, reason: str, grace: float = 0.0) -> None:

@@ -101,6 +101,16 @@ class ReplicaSet:
                 self._line.remove(turn)
             raise
 
+    def unanswered_per_replica(self) -> int:
+        """The model's calls sent and not answered yet, or waiting in line, per ready replica.
+
+        Each call carries it: a row-wise worker holding fewer learns that the
+        front is still busy with the model's other calls, whose clients send
+        their next ones right after their answers (workers/batching.py).
+        """
+        unanswered = sum(worker.calls.get(self.model_id, 0) for worker in self.workers) + len(self._line)
+        return -(-unanswered // max(len(self.workers), 1))  # rounded up
+
     def release(self, worker: Worker) -> None:
         worker.in_flight -= 1
         left = worker.calls[self.model_id] - 1

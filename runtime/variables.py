@@ -194,9 +194,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "WORKER_BATCH_WAIT_US",
         parse.whole_number,
-        150,
-        "such a worker whose last calls came queued together waits up to this long for another "
-        "before it predicts, when none is queued (0: never waits)",
+        300,
+        "such a worker whose calls came queued together waits up to this long for another before it "
+        "predicts, when none is queued and the front is busy with more of the model's calls (0: never)",
         parse.at_least(0),
     ),
     Variable(

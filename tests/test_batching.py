@@ -16,7 +16,7 @@ import pytest
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
 from runtime.replicas import PIPELINE_DEPTH, slots_per_worker
-from workers import protocol
+from workers import batching, protocol
 from workers.holding import Held
 from workers.loop import Worker
 
@@ -201,6 +201,31 @@ def test_models_that_are_not_row_wise_never_share(worker):
     hold(worker, worker.models.by_id["m"].model, "sklearn", batches_rows=False)
     worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "held, last_batch, in_flight, batch_max, waits",
+    [
+        (1, 2, 3, 4, True),  # calls came together last time, two more unanswered at the front
+        (2, 1, 4, 4, True),  # calls came together now
+        (1, 1, 8, 4, False),  # a call alone after a call alone
+        (1, 2, 2, 4, False),  # one more at the front: two clients taking turns
+        (2, 2, 3, 4, False),
+        (4, 4, 16, 4, False),  # the batch is full
+    ],
+)
+def test_a_worker_waits_for_another_call_only_when_more_are_coming(
+    held, last_batch, in_flight, batch_max, waits
+):
+    header = protocol.header(
+        protocol.OP_CALL, 1, model="m", method=protocol.METHOD_INFER, in_flight=in_flight
+    )
+    assert batching.worth_waiting(held, last_batch, batch_max, header) is waits
+
+
+def test_a_header_without_the_count_or_not_ours_never_makes_a_worker_wait():
+    assert not batching.worth_waiting(2, 2, 4, protocol.header(protocol.OP_CALL, 1, model="m"))
+    assert not batching.worth_waiting(2, 2, 4, b"not msgpack")
 
 
 def test_front_gives_batching_workers_room_for_a_batch():

@@ -26,9 +26,13 @@ class FakePool:
     def __init__(self):
         self.sent: list[tuple[Worker, str, bytes]] = []
         self.replies: list[asyncio.Future] = []
+        self.in_flight: list[int] = []
 
-    def submit_call(self, worker, model_id, method, request, deadline, on_end, overdue_after, on_overdue):
+    def submit_call(
+        self, worker, model_id, method, request, deadline, in_flight, on_end, overdue_after, on_overdue
+    ):
         self.sent.append((worker, method, request))
+        self.in_flight.append(in_flight)
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: on_end())
         self.replies.append(future)
@@ -106,6 +110,22 @@ def test_a_call_reaches_a_worker_and_its_reply_comes_back_whole():
     outcome, dispatcher, worker = run(scenario())
     assert outcome == b"body"
     assert (worker.served, worker.in_flight, dispatcher.budget.held) == (1, 0, 0)
+
+
+def test_each_call_tells_its_worker_how_many_of_the_models_calls_are_unanswered_per_replica():
+    async def scenario():
+        first, second = serving_worker("w1"), serving_worker("w2")
+        model, pool = ready_model(first, second), FakePool()
+        dispatcher = dispatcher_for(model, pool)
+        calls = [asyncio.ensure_future(dispatcher.call("m", "x/y", b"r", None)) for _ in range(3)]
+        await asyncio.sleep(0)
+        for reply in pool.replies:
+            reply.set_result(({"ok": True}, [b"body"]))
+        await asyncio.gather(*calls)
+        return pool.in_flight
+
+    # One call on two replicas is one per replica (rounded up); the third call finds three unanswered.
+    assert run(scenario()) == [1, 1, 2]
 
 
 def test_raw_output_frames_are_spliced_as_repeated_fields():

@@ -293,10 +293,15 @@ def wired(tmp_path):
     worker.context.term()
 
 
-def send_call(worker, router, request_id):
-    """Sends the worker a call and returns once it can be read there."""
+def send_call(worker, router, request_id, in_flight=8):
+    """Sends the worker a call and returns once it can be read there; `in_flight` as the front counts."""
     header = protocol.header(
-        protocol.OP_CALL, request_id, model="m", method=protocol.METHOD_INFER, deadline=None
+        protocol.OP_CALL,
+        request_id,
+        model="m",
+        method=protocol.METHOD_INFER,
+        deadline=None,
+        in_flight=in_flight,
     )
     router.send_multipart([b"unit", header, raw_request()])
     assert worker.waiter.wait(5000), "the call never reached the worker"
@@ -318,17 +323,23 @@ def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, mon
 
 
 @pytest.mark.parametrize(
-    "last_batch, wait, batch_max, pool",
-    [(1, 0.001, 4, None), (2, 0.0, 4, None), (2, 0.001, 1, None), (2, 0.001, 4, "threads")],
-    ids=["a call alone before", "waiting off", "batch full", "call threads"],
+    "last_batch, in_flight, wait, batch_max, pool",
+    [
+        (1, 8, 0.001, 4, None),
+        (2, 2, 0.001, 4, None),
+        (2, 8, 0.0, 4, None),
+        (2, 8, 0.001, 1, None),
+        (2, 8, 0.001, 4, "threads"),
+    ],
+    ids=["a call alone before", "the front has one more", "waiting off", "batch full", "call threads"],
 )
 def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
-    wired, monkeypatch, last_batch, wait, batch_max, pool
+    wired, monkeypatch, last_batch, in_flight, wait, batch_max, pool
 ):
     worker, router, handled = wired
     worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
     worker.pool = pool  # stands for WORKER_THREADS > 1: only whether there is one matters here
-    send_call(worker, router, 1)
+    send_call(worker, router, 1, in_flight)
     monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))
     worker.receive_queued()
     assert handled == [1] and worker.last_batch == 1

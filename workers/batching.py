@@ -6,9 +6,8 @@ scikit-learn's input checks take ~240 us for one iris row and about as long
 for eight. So when several ModelInfer calls already wait in the worker's
 socket (the front lets such a worker hold WORKER_BATCH_MAX of them), the
 worker stacks their rows, predicts once and hands each call its own rows
-back. A call that arrives alone runs alone, at once, unless the calls
-before it came queued together: then more are likely on their way, and the
-worker waits up to WORKER_BATCH_WAIT_US for one (workers/loop.py).
+back. When calls come together but nothing more is queued, the worker may
+wait WORKER_BATCH_WAIT_US for one more (`worth_waiting`, workers/loop.py).
 
 Calls share a predict only when they look alike: the same input names,
 datatypes and row shapes, the same requested outputs and parameters. The
@@ -24,6 +23,31 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from protos import grpc_predict_v2_pb2 as pb
+from workers import protocol
+
+# A worker waits for one more call only while the front counts at least this many
+# more of the model's calls unanswered than the worker holds. With one more (two
+# clients taking turns), the wait would hold a call back for about the other's
+# whole trip through the front, which costs more than a shared predict saves.
+UNANSWERED_BEYOND_HELD = 2
+
+
+def worth_waiting(held: int, last_batch: int, batch_max: int, latest_header: bytes) -> bool:
+    """Whether a row-wise worker holding `held` calls, none more queued, should wait for another.
+
+    Calls came together (at this wake-up or the last), the batch has room,
+    and the latest call's header says the front had enough more of its
+    model's calls unanswered (per replica) than are in hand: the front is
+    busy with the others' answers, and their clients send the next calls
+    right after. One more call on a shared predict costs far less than its own.
+    """
+    if held >= batch_max or max(held, last_batch) < 2:
+        return False
+    try:
+        in_flight = protocol.parse_header(latest_header).get("in_flight", 0)
+    except protocol.ProtocolError:
+        return False  # the loop drops the message and says why
+    return in_flight - held >= UNANSWERED_BEYOND_HELD
 
 
 class InferCall(NamedTuple):

@@ -9,28 +9,26 @@ Life of a worker (the front drives it; see workers/protocol.py for messages):
     drop    -> a pack ends one of its models and gives its memory back
     SIGTERM -> each model's close(), exit; SIGKILL when the front is in a hurry
 
-With WORKER_THREADS > 1, calls run in a thread pool; ZeroMQ sockets are not
-thread-safe, so each thread hands its reply to the main loop over an inproc
-PUSH/PULL pair and only the main thread touches the DEALER. With one thread,
-calls run inline: no hop. A worker of a row-wise model takes every message
-already queued before it polls again, so calls that arrived together may
-share one predict (workers/batching.py); any other takes one message per poll
-(a poll finds a queued message without waiting).
+With WORKER_THREADS > 1, calls run in a thread pool, and each thread hands its
+reply to the main loop over an inproc PUSH/PULL pair: ZeroMQ sockets are not
+thread-safe, so only the main thread touches the DEALER. With one thread, calls
+run inline. A worker of a row-wise model takes every message already queued
+before it polls again, so calls that arrived together may share one predict
+(workers/batching.py); any other takes one message per poll.
 
 Every wake of the loop stamps the worker's slot of the beat file, and an idle
 worker wakes every `beat_ms` only for that: the front reads the stamps to find
-hung workers (runtime/heartbeat.py) without a message crossing the socket.
-A call that carried a big buffer leaves free heap that glibc keeps for the
-next one (plumbing/heap.py): the first such wake with nothing to read after it
-gives that heap back, so a worker keeps it only while its calls flow.
+hung workers (runtime/heartbeat.py) without a message crossing the socket. A
+call that carried a big buffer leaves free heap that glibc keeps for the next
+one (plumbing/heap.py): the first wake with nothing to read after it gives that
+heap back, so a worker keeps it only while its calls flow.
 
-The front sends nothing to an idle worker, so silence proves nothing about
-it. The loop ends once the front process is gone: it polls a pidfd of the
-front beside its socket, or, where the kernel refuses pidfd_open, checks
-/proc every `heartbeat_timeout` seconds; the parent-death signal
-(plumbing/lifeline.py) covers the rest. A front that runs but sends nothing
-is idle or stalled, not gone: its worker waits for it rather than take its
-model down.
+The front sends nothing to an idle worker, so silence proves nothing. The loop
+ends once the front process is gone: it polls a pidfd of the front beside its
+socket, or, where the kernel refuses pidfd_open, checks /proc every
+`heartbeat_timeout` seconds; the parent-death signal (plumbing/lifeline.py)
+covers the rest. A front that runs but sends nothing is idle or stalled, not
+gone: its worker waits for it rather than take its model down.
 """
 
 from __future__ import annotations
@@ -96,11 +94,8 @@ class Worker:
         self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
 
     def _watch_front(self) -> int | None:
-        """A pidfd of the front, readable once the front exits: watching it costs no wake.
-
-        None without a front, or where the kernel or a seccomp profile refuses
-        pidfd_open; then front_is_gone() looks in /proc now and then.
-        """
+        """A pidfd of the front, readable once it exits: watching costs no wake. None without a
+        front, or where the kernel or seccomp refuses pidfd_open (front_is_gone() reads /proc)."""
         if self.front is None:
             return None
         try:
@@ -174,8 +169,7 @@ class Worker:
     def receive_queued(self) -> None:
         """Handles the message the poll found, with those queued behind it when they may share a predict."""
         messages = []
-        # Calls came together last time: more may be on their way. (Call threads do not batch.)
-        may_wait = self.batch_wait > 0 and self.last_batch > 1 and self.pool is None
+        waited = False
         while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
@@ -185,14 +179,18 @@ class Worker:
             if not self.models.batches_rows:
                 break
             if not protocol.readable(self.socket):
-                if not may_wait or len(messages) >= self.batch_max or not self.wait_for_another():
+                if waited or not self.wait_for_another(header, len(messages)):
                     break
-                may_wait = False  # once a wake-up
+                waited = True  # once a wake-up
         self.last_batch = len(messages)
         self.handle(messages)
 
-    def wait_for_another(self) -> bool:
-        """Sleeps batch_wait (one more call on a shared predict costs far less than its own); any message?"""
+    def wait_for_another(self, latest_header: bytes, held: int) -> bool:
+        """Sleeps batch_wait when another call is likely to come (workers/batching.py); any message?"""
+        if self.batch_wait <= 0 or self.pool is not None:  # call threads do not batch
+            return False
+        if not batching.worth_waiting(held, self.last_batch, self.batch_max, latest_header):
+            return False
         time.sleep(self.batch_wait)
         return protocol.readable(self.socket)
 
