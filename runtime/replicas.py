@@ -49,6 +49,7 @@ class ReplicaSet:
         self.slots = slots
         self.queue_max = queue_max
         self.workers: list[Worker] = []  # ready to serve
+        self.unanswered = 0  # calls counted in on any worker, ready or not, and not yet released
         self._line: collections.deque[asyncio.Future] = collections.deque()
 
     @property
@@ -72,6 +73,7 @@ class ReplicaSet:
         return best
 
     def _count_in(self, worker: Worker) -> None:
+        self.unanswered += 1
         worker.in_flight += 1
         worker.calls[self.model_id] = worker.calls.get(self.model_id, 0) + 1
 
@@ -108,10 +110,11 @@ class ReplicaSet:
         front is still busy with the model's other calls, whose clients send
         their next ones right after their answers (workers/batching.py).
         """
-        unanswered = sum(worker.calls.get(self.model_id, 0) for worker in self.workers) + len(self._line)
-        return -(-unanswered // max(len(self.workers), 1))  # rounded up
+        unanswered, replicas = self.unanswered + len(self._line), len(self.workers)
+        return unanswered if replicas < 2 else -(-unanswered // replicas)  # rounded up
 
     def release(self, worker: Worker) -> None:
+        self.unanswered -= 1
         worker.in_flight -= 1
         left = worker.calls[self.model_id] - 1
         if left:

@@ -175,6 +175,26 @@ def test_a_call_as_the_model_is_unloaded_is_not_found():
     assert outcome.code is grpc.StatusCode.NOT_FOUND
 
 
+def test_calls_waiting_in_line_count_as_unanswered_and_released_ones_do_not():
+    async def scenario():
+        worker = serving_worker()
+        model = ready_model(worker)
+        replicas = model.replicas
+        for _ in range(replicas.slots):
+            replicas.try_acquire()
+        waiting = asyncio.ensure_future(replicas.acquire())
+        await asyncio.sleep(0)
+        counts = [replicas.unanswered_per_replica()]
+        replicas.release(worker)  # the one in line takes the slot
+        await waiting
+        replicas.release(worker)
+        counts.append(replicas.unanswered_per_replica())
+        return counts, replicas.slots
+
+    counts, slots = run(scenario())
+    assert counts == [slots + 1, slots - 1]
+
+
 def test_the_deadline_counts_time_in_line():
     async def scenario():
         worker = serving_worker()
