@@ -183,14 +183,15 @@ class WorkerPool:
         method: str,
         request: bytes,
         deadline: float | None,
-        in_flight: int,
+        unanswered: int,
         on_end,
         overdue_after: float | None,
         on_overdue,
     ) -> asyncio.Future:
         """Sends one call (header fields: workers/protocol.py); resolves to (reply header, payload
         frames) or raises PeerGone. `on_end` runs once the worker is done with it, answered or dead,
-        whether or not anyone still waits; `on_overdue` as in Channel.submit."""
+        whether or not anyone still waits; the error `on_overdue()` returns ends a call still
+        unanswered `overdue_after` seconds later (Channel.submit)."""
         return self.channel.submit(
             worker.identity,
             protocol.OP_CALL,
@@ -201,7 +202,7 @@ class WorkerPool:
             model=model_id,
             method=method,
             deadline=deadline,
-            in_flight=in_flight,
+            unanswered=unanswered,
         )
 
     def kill(self, worker: Worker, cause: KillCause, reason: str, grace: float = 0.0) -> None:

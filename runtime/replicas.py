@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 
 from runtime import status
 from runtime.worker import Worker
@@ -110,8 +111,11 @@ class ReplicaSet:
         front is still busy with the model's other calls, whose clients send
         their next ones right after their answers (workers/batching.py).
         """
-        unanswered, replicas = self.unanswered + len(self._line), len(self.workers)
-        return unanswered if replicas < 2 else -(-unanswered // replicas)  # rounded up
+        unanswered = self.unanswered + len(self._line)
+        if len(self.workers) < 2:  # the common case, without counting
+            return unanswered
+        serving = sum(1 for worker in self.workers if worker.serving)
+        return math.ceil(unanswered / serving) if serving else unanswered
 
     def release(self, worker: Worker) -> None:
         self.unanswered -= 1

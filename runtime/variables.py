@@ -195,8 +195,8 @@ VARIABLES: tuple[Variable, ...] = (
         "WORKER_BATCH_WAIT_US",
         parse.whole_number,
         300,
-        "such a worker whose calls came queued together waits up to this long for another before it "
-        "predicts, when none is queued and the front is busy with more of the model's calls (0: never)",
+        "such a worker whose calls came queued together waits this long for another before it predicts, "
+        "when none is queued and the front is busy with more of the model's calls (0: never)",
         parse.at_least(0),
     ),
     Variable(

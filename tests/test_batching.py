@@ -203,29 +203,43 @@ def test_models_that_are_not_row_wise_never_share(worker):
     assert worker.models.by_id["m"].model.batches == [1, 1]
 
 
+def row_wise(model_id):
+    return model_id == "m"
+
+
 @pytest.mark.parametrize(
-    "held, last_batch, in_flight, batch_max, waits",
+    "held, last_batch, unanswered, batch_max, waits",
     [
         (1, 2, 3, 4, True),  # calls came together last time, two more unanswered at the front
         (2, 1, 4, 4, True),  # calls came together now
         (1, 1, 8, 4, False),  # a call alone after a call alone
         (1, 2, 2, 4, False),  # one more at the front: two clients taking turns
-        (2, 2, 3, 4, False),
+        (2, 2, 3, 4, False),  # the same with both calls in hand
         (4, 4, 16, 4, False),  # the batch is full
     ],
 )
 def test_a_worker_waits_for_another_call_only_when_more_are_coming(
-    held, last_batch, in_flight, batch_max, waits
+    held, last_batch, unanswered, batch_max, waits
 ):
     header = protocol.header(
-        protocol.OP_CALL, 1, model="m", method=protocol.METHOD_INFER, in_flight=in_flight
+        protocol.OP_CALL, 1, model="m", method=protocol.METHOD_INFER, unanswered=unanswered
     )
-    assert batching.worth_waiting(held, last_batch, batch_max, header) is waits
+    assert batching.worth_waiting(held, last_batch, batch_max, header, row_wise) is waits
 
 
-def test_a_header_without_the_count_or_not_ours_never_makes_a_worker_wait():
-    assert not batching.worth_waiting(2, 2, 4, protocol.header(protocol.OP_CALL, 1, model="m"))
-    assert not batching.worth_waiting(2, 2, 4, b"not msgpack")
+@pytest.mark.parametrize(
+    "header",
+    [
+        protocol.header(protocol.OP_CALL, 1, model="m"),
+        protocol.header(protocol.OP_CALL, 1, model="m", unanswered=None),
+        protocol.header(protocol.OP_CALL, 1, model="m", unanswered="8"),
+        protocol.header(protocol.OP_CALL, 1, model="other", unanswered=8),
+        b"not msgpack",
+    ],
+    ids=["no count", "a count of None", "a count that is text", "a model that does not batch", "not ours"],
+)
+def test_only_a_well_formed_call_for_a_row_wise_model_makes_a_worker_wait(header):
+    assert not batching.worth_waiting(2, 2, 4, header, row_wise)
 
 
 def test_front_gives_batching_workers_room_for_a_batch():

@@ -26,13 +26,13 @@ class FakePool:
     def __init__(self):
         self.sent: list[tuple[Worker, str, bytes]] = []
         self.replies: list[asyncio.Future] = []
-        self.in_flight: list[int] = []
+        self.unanswered: list[int] = []
 
     def submit_call(
-        self, worker, model_id, method, request, deadline, in_flight, on_end, overdue_after, on_overdue
+        self, worker, model_id, method, request, deadline, unanswered, on_end, overdue_after, on_overdue
     ):
         self.sent.append((worker, method, request))
-        self.in_flight.append(in_flight)
+        self.unanswered.append(unanswered)
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: on_end())
         self.replies.append(future)
@@ -122,7 +122,7 @@ def test_each_call_tells_its_worker_how_many_of_the_models_calls_are_unanswered_
         for reply in pool.replies:
             reply.set_result(({"ok": True}, [b"body"]))
         await asyncio.gather(*calls)
-        return pool.in_flight
+        return pool.unanswered
 
     # One call on two replicas is one per replica (rounded up); the third call finds three unanswered.
     assert run(scenario()) == [1, 1, 2]
@@ -193,6 +193,27 @@ def test_calls_waiting_in_line_count_as_unanswered_and_released_ones_do_not():
 
     counts, slots = run(scenario())
     assert counts == [slots + 1, slots - 1]
+
+
+def test_calls_that_fail_or_give_up_in_line_leave_nothing_counted_as_unanswered():
+    async def scenario():
+        worker = serving_worker()
+        model, pool = ready_model(worker), FakePool()
+        dispatcher = dispatcher_for(model, pool)
+        dying = asyncio.ensure_future(dispatcher.call("m", "x/y", b"r", None))
+        await asyncio.sleep(0)
+        pool.replies[0].set_exception(PeerGone(-9))
+        with pytest.raises(status.RpcError):
+            await dying
+        for _ in range(model.replicas.slots):
+            model.replicas.try_acquire()
+        with pytest.raises(status.RpcError):  # its deadline passes in line
+            await dispatcher.call("m", "x/y", b"r", 0.01)
+        for _ in range(model.replicas.slots):
+            model.replicas.release(worker)
+        return model.replicas.unanswered
+
+    assert run(scenario()) == 0
 
 
 def test_the_deadline_counts_time_in_line():

@@ -293,15 +293,15 @@ def wired(tmp_path):
     worker.context.term()
 
 
-def send_call(worker, router, request_id, in_flight=8):
-    """Sends the worker a call and returns once it can be read there; `in_flight` as the front counts."""
+def send_call(worker, router, request_id, unanswered=8):
+    """Sends the worker a call and returns once it can be read there; `unanswered` as the front counts."""
     header = protocol.header(
         protocol.OP_CALL,
         request_id,
         model="m",
         method=protocol.METHOD_INFER,
         deadline=None,
-        in_flight=in_flight,
+        unanswered=unanswered,
     )
     router.send_multipart([b"unit", header, raw_request()])
     assert worker.waiter.wait(5000), "the call never reached the worker"
@@ -323,7 +323,7 @@ def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, mon
 
 
 @pytest.mark.parametrize(
-    "last_batch, in_flight, wait, batch_max, pool",
+    "last_batch, unanswered, wait, batch_max, pool",
     [
         (1, 8, 0.001, 4, None),
         (2, 2, 0.001, 4, None),
@@ -334,15 +334,30 @@ def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, mon
     ids=["a call alone before", "the front has one more", "waiting off", "batch full", "call threads"],
 )
 def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
-    wired, monkeypatch, last_batch, in_flight, wait, batch_max, pool
+    wired, monkeypatch, last_batch, unanswered, wait, batch_max, pool
 ):
     worker, router, handled = wired
     worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
     worker.pool = pool  # stands for WORKER_THREADS > 1: only whether there is one matters here
-    send_call(worker, router, 1, in_flight)
+    send_call(worker, router, 1, unanswered)
     monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))
     worker.receive_queued()
     assert handled == [1] and worker.last_batch == 1
+
+
+def test_calls_that_come_together_now_wait_for_one_more_too(wired, monkeypatch):
+    worker, router, handled = wired
+    send_call(worker, router, 1)
+    send_call(worker, router, 2)
+    slept = []
+
+    def a_call_arrives_meanwhile(seconds):
+        slept.append(seconds)
+        send_call(worker, router, 3)
+
+    monkeypatch.setattr(time, "sleep", a_call_arrives_meanwhile)
+    worker.receive_queued()
+    assert slept == [0.001] and handled == [3]
 
 
 def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(wired, monkeypatch):

@@ -6,8 +6,9 @@ scikit-learn's input checks take ~240 us for one iris row and about as long
 for eight. So when several ModelInfer calls already wait in the worker's
 socket (the front lets such a worker hold WORKER_BATCH_MAX of them), the
 worker stacks their rows, predicts once and hands each call its own rows
-back. When calls come together but nothing more is queued, the worker may
-wait WORKER_BATCH_WAIT_US for one more (`worth_waiting`, workers/loop.py).
+back. When calls come together but nothing more is queued, and the front
+says it is busy with more of the model's calls, the worker waits
+WORKER_BATCH_WAIT_US once for one more (`worth_waiting`, workers/loop.py).
 
 Calls share a predict only when they look alike: the same input names,
 datatypes and row shapes, the same requested outputs and parameters. The
@@ -18,6 +19,7 @@ is not one row per input row, so a bad call fails only itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,22 +34,28 @@ from workers import protocol
 UNANSWERED_BEYOND_HELD = 2
 
 
-def worth_waiting(held: int, last_batch: int, batch_max: int, latest_header: bytes) -> bool:
-    """Whether a row-wise worker holding `held` calls, none more queued, should wait for another.
+def worth_waiting(
+    held: int, last_batch: int, batch_max: int, latest_header: bytes, row_wise: Callable[[Any], bool]
+) -> bool:
+    """Whether a worker holding `held` calls, none more queued, should wait for another.
 
     Calls came together (at this wake-up or the last), the batch has room,
-    and the latest call's header says the front had enough more of its
-    model's calls unanswered (per replica) than are in hand: the front is
-    busy with the others' answers, and their clients send the next calls
-    right after. One more call on a shared predict costs far less than its own.
+    the latest call is for a model that batches rows (`row_wise(model)`),
+    and its header says the front had enough more of that model's calls
+    unanswered (per replica) than are in hand: the front is busy with the
+    others' answers, and their clients send the next calls right after. One
+    more call on a shared predict costs far less than its own.
     """
     if held >= batch_max or max(held, last_batch) < 2:
         return False
     try:
-        in_flight = protocol.parse_header(latest_header).get("in_flight", 0)
+        header = protocol.parse_header(latest_header)
     except protocol.ProtocolError:
         return False  # the loop drops the message and says why
-    return in_flight - held >= UNANSWERED_BEYOND_HELD
+    unanswered = header.get("unanswered")
+    if not isinstance(unanswered, int) or not row_wise(header.get("model")):
+        return False
+    return unanswered - held >= UNANSWERED_BEYOND_HELD
 
 
 class InferCall(NamedTuple):

@@ -63,6 +63,11 @@ class Holdings:
         self.packed = False  # every load so far said `pack`
         self.batches_rows = False  # some held model batches rows: take every queued message
 
+    def row_wise(self, model_id: str | None) -> bool:
+        """Whether the held model a call names predicts rows apart, so its calls may share a predict."""
+        held = self.find(model_id)
+        return held is not None and held.batches_rows
+
     def find(self, model_id: str | None) -> Held | None:
         """The held model a call names; a call that names none goes to the one model held."""
         if model_id is None:

@@ -14,7 +14,8 @@ reply to the main loop over an inproc PUSH/PULL pair: ZeroMQ sockets are not
 thread-safe, so only the main thread touches the DEALER. With one thread, calls
 run inline. A worker of a row-wise model takes every message already queued
 before it polls again, so calls that arrived together may share one predict
-(workers/batching.py); any other takes one message per poll.
+(workers/batching.py); any other takes one message per poll (which finds a
+queued one without waiting).
 
 Every wake of the loop stamps the worker's slot of the beat file, and an idle
 worker wakes every `beat_ms` only for that: the front reads the stamps to find
@@ -185,11 +186,11 @@ class Worker:
         self.last_batch = len(messages)
         self.handle(messages)
 
-    def wait_for_another(self, latest_header: bytes, held: int) -> bool:
+    def wait_for_another(self, header: bytes, held: int) -> bool:
         """Sleeps batch_wait when another call is likely to come (workers/batching.py); any message?"""
         if self.batch_wait <= 0 or self.pool is not None:  # call threads do not batch
             return False
-        if not batching.worth_waiting(held, self.last_batch, self.batch_max, latest_header):
+        if not batching.worth_waiting(held, self.last_batch, self.batch_max, header, self.models.row_wise):
             return False
         time.sleep(self.batch_wait)
         return protocol.readable(self.socket)

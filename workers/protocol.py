@@ -23,13 +23,13 @@ Messages:
     front  -> worker  load   {id, model_id, format, path, pack}
                              pack: the worker may hold other models too
     front  -> worker  drop   {id, model_id}          a pack ends one model
-    front  -> worker  call   {id, model, method, deadline, in_flight} + [request bytes]
+    front  -> worker  call   {id, model, method, deadline, unanswered} + [request bytes]
                              model: the model id it is for;
                              deadline: epoch seconds after which the call
                              must not run (None: no deadline);
-                             in_flight: the model's calls unanswered or in
-                             line at the front as it sends this one, this
-                             one included, per replica (batching.py)
+                             unanswered: the model's calls unanswered or
+                             in line at the front as it sends this one,
+                             this one included, per replica (batching.py)
     worker -> front   reply  {id, ok, error?, message?, append_field?}
                              + [response bytes, extra bytes...]
                              append_field: the front appends each extra
