@@ -32,5 +32,9 @@ def test_the_churn_benchmark_keeps_a_small_pod_full_and_compares_sizes_at_each_c
     for point in figures["points"]:
         assert point["reported_bytes"] <= 8 * MiB and point["growth_bytes"] > 0
         assert point["with_held_back_over_growth"] >= point["reported_over_growth"] > 0
+        assert point["page_cache_change_bytes"] is None or isinstance(point["page_cache_change_bytes"], int)
     lines = pack_churn.describe(figures)
     assert len(lines) == 1 + 3 + 2
+    if figures["method"].startswith("cgroup"):  # a cgroup tells its page cache apart
+        assert all(isinstance(p["page_cache_change_bytes"], int) for p in figures["points"])
+        assert "page cache" in lines[1]
