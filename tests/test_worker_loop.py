@@ -349,6 +349,9 @@ def test_calls_that_come_together_now_wait_for_one_more_too(wired, monkeypatch):
     worker, router, handled = wired
     send_call(worker, router, 1)
     send_call(worker, router, 2)
+    # send_call() returns once a call can be read, which the first already could: ZeroMQ's I/O
+    # thread delivers the second a moment later, and the test needs both queued.
+    time.sleep(0.2)
     slept = []
 
     def a_call_arrives_meanwhile(seconds):
