@@ -307,19 +307,26 @@ def send_call(worker, router, request_id, unanswered=8):
     assert worker.waiter.wait(5000), "the call never reached the worker"
 
 
-def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired, monkeypatch):
-    worker, router, handled = wired
-    worker.last_batch = 2
-    send_call(worker, router, 1)
+def receive_while_a_call_arrives(worker, router, request_id):
+    """receive_queued() with a fake sleep during which call `request_id` arrives; what it slept."""
     slept = []
 
     def a_call_arrives_meanwhile(seconds):
         slept.append(seconds)
-        send_call(worker, router, 2)
+        send_call(worker, router, request_id)
 
-    monkeypatch.setattr(time, "sleep", a_call_arrives_meanwhile)
-    worker.receive_queued()
-    assert slept == [0.001] and handled == [2] and worker.last_batch == 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(time, "sleep", a_call_arrives_meanwhile)
+        worker.receive_queued()
+    return slept
+
+
+def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired):
+    worker, router, handled = wired
+    worker.last_batch = 2
+    send_call(worker, router, 1)
+    assert receive_while_a_call_arrives(worker, router, 2) == [0.001]
+    assert handled == [2] and worker.last_batch == 2
 
 
 @pytest.mark.parametrize(
@@ -345,22 +352,15 @@ def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
     assert handled == [1] and worker.last_batch == 1
 
 
-def test_calls_that_come_together_now_wait_for_one_more_too(wired, monkeypatch):
+def test_calls_that_come_together_now_wait_for_one_more_too(wired):
     worker, router, handled = wired
     send_call(worker, router, 1)
     send_call(worker, router, 2)
     # send_call() returns once a call can be read, which the first already could: ZeroMQ's I/O
     # thread delivers the second a moment later, and the test needs both queued.
     time.sleep(0.2)
-    slept = []
-
-    def a_call_arrives_meanwhile(seconds):
-        slept.append(seconds)
-        send_call(worker, router, 3)
-
-    monkeypatch.setattr(time, "sleep", a_call_arrives_meanwhile)
-    worker.receive_queued()
-    assert slept == [0.001] and handled == [3]
+    assert receive_while_a_call_arrives(worker, router, 3) == [0.001]
+    assert handled == [3]
 
 
 def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(wired, monkeypatch):
