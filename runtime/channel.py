@@ -18,7 +18,8 @@ from typing import Any
 import zmq
 
 from runtime.busypoll import BusyPoller
-from workers import protocol
+from runtime.rings import FrontRings
+from workers import protocol, rings
 
 log = logging.getLogger("mesh.channel")
 
@@ -57,7 +58,13 @@ class Channel:
     every send (which may swallow an edge), drains all that is readable.
     """
 
-    def __init__(self, address: str, on_event: Callable[[bytes, dict], None], busy_poll_seconds: float = 0.0):
+    def __init__(
+        self,
+        address: str,
+        on_event: Callable[[bytes, dict], None],
+        busy_poll_seconds: float = 0.0,
+        ring_bytes: int = 0,
+    ):
         self.address = address
         self._on_event = on_event
         self._context = zmq.Context()
@@ -75,6 +82,7 @@ class Channel:
         self._fd = self._socket.fileno()  # what getsockopt(zmq.FD) returns, typed int rather than int | bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
+        self.rings = FrontRings(ring_bytes, lambda peer: peer in self._by_peer)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -84,6 +92,7 @@ class Channel:
     async def close(self) -> None:
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
+        self.rings.close()
         self._socket.close(linger=0)
         self._context.term()
 
@@ -139,6 +148,10 @@ class Channel:
             waiting = self._by_peer[peer] = set()
         waiting.add(request_id)
         try:
+            if peer in self.rings.owed or _reaches(payloads, self.rings.threshold):
+                payloads, ring = self.rings.outgoing(peer, payloads)
+                if ring is not None:
+                    fields[rings.FIELD] = ring
             self.send(peer, protocol.header(op, request_id, **fields), payloads)
         except PeerGone as gone:
             self._end(request_id, error=gone)
@@ -161,9 +174,10 @@ class Channel:
             self._end(request_id, error=on_overdue())
 
     def fail_peer(self, peer: bytes, exit_code: int | None) -> None:
-        """Fails every request waiting on `peer`, which has died."""
+        """Fails every request waiting on `peer`, which has died, and frees its rings."""
         for request_id in list(self._by_peer.get(peer, ())):
             self._end(request_id, error=PeerGone(exit_code))
+        self.rings.forget(peer)
 
     def _end(self, request_id: int, result: Any = None, error: BaseException | None = None) -> None:
         request = self._pending.pop(request_id, None)
@@ -195,6 +209,9 @@ class Channel:
                 log.error("dropping a malformed message from worker %r: %s", peer, error)
 
     def _dispatch(self, peer: bytes, header: dict, payloads: list) -> None:
+        ring = header.get(rings.FIELD)
+        if ring is not None:  # first, whoever waits: the ring is read in the order it was filled
+            payloads = self.rings.incoming(peer, ring, payloads)
         self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
             return
@@ -202,3 +219,11 @@ class Channel:
         if request is None or request.peer != peer:
             return  # a reply from a worker the request did not go to
         self._end(header["id"], result=(header, payloads))
+
+
+def _reaches(payloads: Sequence[Any], size: float) -> bool:
+    """Whether any payload is `size` bytes or more: a plain loop, cheaper than max() with a default."""
+    for payload in payloads:
+        if len(payload) >= size:
+            return True
+    return False

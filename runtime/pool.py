@@ -62,11 +62,8 @@ class WorkerPool:
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
         os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
-        self.channel = Channel(
-            f"ipc://{settings.runtime_dir}/workers.sock",
-            self._on_event,
-            busy_poll_seconds=settings.busy_poll_us / 1e6,
-        )
+        address, busy_poll_seconds = f"ipc://{settings.runtime_dir}/workers.sock", settings.busy_poll_us / 1e6
+        self.channel = Channel(address, self._on_event, busy_poll_seconds, settings.shared_ring_bytes)
         self.beats = BeatFile(settings.runtime_dir)
         self.ready = False
         self._on_worker_exit = on_worker_exit

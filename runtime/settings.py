@@ -76,6 +76,7 @@ class Settings:
     grpc_threads_sched_batch: bool
     event_loop: str
     busy_poll_us: int
+    shared_ring_bytes: int
     worker_preload: tuple[str, ...]
     grpc_max_message_bytes: int
     model_bytes_max: int

@@ -145,6 +145,7 @@ WORKER_ERROR_CODES = {
     protocol.ERROR_UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     protocol.ERROR_NOT_LOADED: grpc.StatusCode.NOT_FOUND,
     protocol.ERROR_EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    protocol.ERROR_PROTOCOL: grpc.StatusCode.INTERNAL,
 }
 
 

@@ -295,6 +295,15 @@ VARIABLES: tuple[Variable, ...] = (
         parse.at_least(0),
     ),
     Variable(
+        "SHARED_RING_BYTES",
+        parse.whole_number,
+        8 * 2**20,
+        "payload frames of 64 KiB or more go between the front and a worker through a shared-memory "
+        "ring of this size each way, made for a worker when it first gets one, and its pages are "
+        "given back 1 s after such frames stop (0: through the worker socket, as smaller ones go)",
+        parse.at_least(0),
+    ),
+    Variable(
         "WORKER_PRELOAD",
         parse.module_names,
         lambda s: default_preload(),

@@ -260,7 +260,7 @@ def test_serve_waits_for_a_silent_front_that_still_runs_and_exits_once_it_is_gon
     worker, serving, router, _ = serving_worker(
         tmp_path, stand_in_front, heartbeat_timeout=0.5, threads=1, beat_ms=100
     )
-    assert (worker.front_exit is not None) == (watch == "pidfd")
+    assert (worker.front_watch.pidfd is not None) == (watch == "pidfd")
     try:
         serving.join(timeout=2.5)
         assert serving.is_alive(), "the worker left a front that was silent but still running"

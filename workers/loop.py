@@ -24,12 +24,12 @@ call that carried a big buffer leaves free heap that glibc keeps for the next
 one (plumbing/heap.py): the first wake with nothing to read after it gives that
 heap back, so a worker keeps it only while its calls flow.
 
-The front sends nothing to an idle worker, so silence proves nothing. The loop
-ends once the front process is gone: it polls a pidfd of the front beside its
-socket, or, where the kernel refuses pidfd_open, checks /proc every
-`heartbeat_timeout` seconds; the parent-death signal (plumbing/lifeline.py)
-covers the rest. A front that runs but sends nothing is idle or stalled, not
-gone: its worker waits for it rather than take its model down.
+Payload frames of 64 KiB or more may travel through a ring in shared memory
+instead of the socket, once the front has offered one (workers/rings.py).
+
+The loop ends once the front process is gone (workers/frontwatch.py). A front
+that runs but sends nothing is idle or stalled, not gone: its worker waits for
+it rather than take its model down.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ from typing import Any
 
 import zmq
 
-from plumbing import heap, lifeline
+from plumbing import heap
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, protocol, responses, v2
+from workers import batching, protocol, responses, rings, v2
+from workers.frontwatch import FrontWatch
 from workers.holding import Held, Holdings
 
 log = logging.getLogger("mesh.worker")
@@ -64,13 +65,10 @@ BEAT_GROUP_GAP_MS = 100
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
-        self.front_check_seconds = config["heartbeat_timeout"]
-        self.front = config.get("front")  # (pid, start time) of the front; None: taken as gone
+        self.front_watch = FrontWatch(config.get("front"), config["heartbeat_timeout"])
         self.beat_ms = config.get("beat_ms", BEAT_MS)
         self.beats = protocol.map_beats(config.get("beats"))
         self.beat_slot = config.get("beat_slot", 0)
-        self.front_exit = self._watch_front()
-        self.check_front_at = 0.0  # without front_exit: when to look in /proc next
         self.heap_to_trim = False  # a big buffer came or went since the heap was last given back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -78,13 +76,14 @@ class Worker:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
         self.waiter = protocol.Waiter([self.socket])
-        if self.front_exit is not None:
-            self.waiter.add(self.front_exit)
+        if self.front_watch.pidfd is not None:
+            self.waiter.add(self.front_watch.pidfd)
         self.batch_max = config.get("batch_max", 1)
         self.batch_wait = config.get("batch_wait", 0.0)  # seconds
         self.last_batch = 0  # messages handled at the last wake-up
         threads = config.get("threads", 1)
         self.models = Holdings(self.batch_max, threads)
+        self.rings = rings.WorkerRings()  # big payloads in shared memory, once the front offers it
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         if threads > 1:
             self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="call")
@@ -94,26 +93,12 @@ class Worker:
             self.thread_sockets = threading.local()
         self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
 
-    def _watch_front(self) -> int | None:
-        """A pidfd of the front, readable once it exits: watching costs no wake. None without a
-        front, or where the kernel or seccomp refuses pidfd_open (front_is_gone() reads /proc)."""
-        if self.front is None:
-            return None
-        try:
-            pidfd = os.pidfd_open(self.front[0])
-        except OSError:
-            return None
-        if not self.front_is_running():  # the pid names another process now
-            os.close(pidfd)
-            return None
-        return pidfd
-
     def serve(self) -> None:
         for request in v2.sample_requests():  # its first call then finds the pages it writes copied
             self._infer_reply(call := self._decode(0, request), call.inputs)
         self.beat()
         self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
-        self.check_front_at = time.monotonic() + self.front_check_seconds
+        self.front_watch.start(time.monotonic())
         while True:
             # One zmq_poll both finds what is queued and waits when nothing is:
             # each readiness check costs system calls (poll, and ZeroMQ's own
@@ -125,7 +110,7 @@ class Worker:
                 self.receive_queued()
             if self.pool is not None and self.replies in ready:
                 self.forward_replies()
-            if self.front_is_gone(ready, self.beat()):
+            if self.front_watch.gone(ready, self.beat()):
                 log.error("the front is gone; exiting")
                 return
 
@@ -141,18 +126,6 @@ class Worker:
         # + 1: zmq_poll may end a fraction of a millisecond early, which must not cost a second wake.
         return self.beat_ms - (int(time.monotonic() * 1000) - shift) % self.beat_ms + 1
 
-    def front_is_gone(self, ready: list, now: float) -> bool:
-        """The front's pidfd turned readable, or, without one, /proc says so at a due check."""
-        if self.front_exit is not None:
-            return self.front_exit in ready
-        if now < self.check_front_at:
-            return False
-        self.check_front_at = now + self.front_check_seconds
-        return not self.front_is_running()
-
-    def front_is_running(self) -> bool:
-        return self.front is not None and lifeline.is_running(self.front)
-
     def give_heap_back(self) -> None:
         """Calls stopped after a big one: the free heap they left goes back to the OS."""
         heap.trim()
@@ -165,6 +138,8 @@ class Worker:
     def send(self, frames: list) -> None:
         """Sends one message to the front (frames: header, then payloads)."""
         self.note_sizes(frames)
+        if self.rings.in_use:
+            frames = self.rings.outgoing(frames)
         protocol.send_frames(self.socket, frames)
 
     def receive_queued(self) -> None:
@@ -198,9 +173,7 @@ class Worker:
     def forward_replies(self) -> None:
         """Passes the reply the poll found, and any other the call threads finished, on to the front."""
         while True:
-            reply = self.replies.recv_multipart(copy=False)
-            self.note_sizes(reply)
-            self.socket.send_multipart(reply, copy=False)
+            self.send(self.replies.recv_multipart(copy=False))
             if not protocol.readable(self.replies):
                 break
 
@@ -210,6 +183,13 @@ class Worker:
         for header_frame, payloads in messages:
             try:
                 header = protocol.parse_header(header_frame)
+                if rings.FIELD in header:
+                    payloads = self.rings.receive(header[rings.FIELD], payloads)
+                    self.note_sizes(payloads)
+            except rings.RingError as error:  # a payload it cannot find: the call fails rather than hang
+                log.error("a message's payloads are not in the ring: %s", error)
+                self.send([protocol.error_reply(header["id"], protocol.ERROR_PROTOCOL, str(error))])
+                continue
             except protocol.ProtocolError as error:
                 log.error("dropping a malformed message: %s", error)
                 continue

@@ -36,6 +36,9 @@ Messages:
                              frame to the response as this repeated bytes
                              field (raw tensors travel as their own frames)
 
+Any message with payloads may carry the header field `ring`: its big
+payload frames are then in shared memory instead (workers/rings.py).
+
 A failed reply names an error kind (ERROR_* below); the front turns kinds
 into gRPC status codes in exactly one place (runtime/status.py).
 
@@ -74,8 +77,17 @@ ERROR_MODEL = "model"  # the model's code raised while serving
 ERROR_UNIMPLEMENTED = "unimplemented"  # the model does not serve this method
 ERROR_NOT_LOADED = "not_loaded"  # a call reached a worker that holds no model
 ERROR_EXPIRED = "expired"  # the call's deadline passed before it could run
+ERROR_PROTOCOL = "protocol"  # the message did not follow this schema (a payload the worker cannot find)
 ERROR_KINDS = frozenset(
-    {ERROR_LOAD, ERROR_INVALID_INPUT, ERROR_MODEL, ERROR_UNIMPLEMENTED, ERROR_NOT_LOADED, ERROR_EXPIRED}
+    {
+        ERROR_LOAD,
+        ERROR_INVALID_INPUT,
+        ERROR_MODEL,
+        ERROR_UNIMPLEMENTED,
+        ERROR_NOT_LOADED,
+        ERROR_EXPIRED,
+        ERROR_PROTOCOL,
+    }
 )
 
 # Methods the worker serves itself; any other method goes to the model's handle().
@@ -118,6 +130,11 @@ _packer = msgpack.Packer()
 def header(op: str, request_id: int = 0, **fields: Any) -> bytes:
     """Packs a header frame."""
     fields["v"], fields["op"], fields["id"] = PROTOCOL_VERSION, op, request_id
+    return _packer.pack(fields)
+
+
+def pack_fields(fields: dict[str, Any]) -> bytes:
+    """Packs a header's fields as they are (a header unpacked and added to)."""
     return _packer.pack(fields)
 
 

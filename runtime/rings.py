@@ -1,0 +1,141 @@
+"""The front's side of the shared rings: a memfd per worker that carries its big frames both ways.
+
+workers/rings.py says why and how. Here the front offers a worker its
+rings with the first big frame it sends it, copies big request frames in
+and big reply frames out, and gives the rings' pages back to the OS once
+big frames have stopped for QUIET_SECONDS, for each worker that has no
+call in flight (so no frame in either ring): a worker that served one big
+burst keeps no memory for it. A worker's rings go when it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from workers import rings
+
+log = logging.getLogger("mesh.rings")
+
+QUIET_SECONDS = 1.0
+
+
+class FrontRings:
+    def __init__(self, ring_bytes: int, is_busy: Callable[[bytes], bool]):
+        """ring_bytes: of each direction, 0 for none; is_busy(peer): some call of its is unanswered."""
+        self.ring_bytes = ring_bytes
+        self._is_busy = is_busy
+        self._pairs: dict[bytes, rings.RingPair] = {}  # workers that mapped their rings
+        self._offers: dict[bytes, tuple[rings.RingPair, int]] = {}  # pair and memfd, until the worker answers
+        self._refused: set[bytes] = set()
+        # A message must go through outgoing() when it is for one of `owed`, the workers whose
+        # frames we took and have not said so yet, or when one of its payloads reaches `threshold`.
+        self.owed: set[bytes] = set()
+        self.threshold = rings.RING_MIN_BYTES if ring_bytes > 0 else math.inf
+        self._used: set[bytes] = set()  # workers whose rings have pages to give back
+        self._last_used = 0.0
+        self._give_back_timer: asyncio.TimerHandle | None = None
+
+    def outgoing(self, peer: bytes, payloads: Sequence[Any]) -> tuple[Sequence[Any], dict | None]:
+        """The payloads to send to `peer` and the header's ring field (None: nothing to say)."""
+        said: dict[str, Any] = {}
+        pair = self._pairs.get(peer)
+        if peer in self.owed and pair is not None:
+            self.owed.discard(peer)
+            said["taken"] = pair.to_front.taken
+        big = any(len(frame) >= rings.RING_MIN_BYTES for frame in payloads)
+        if big and pair is not None:
+            payloads, in_ring = rings.put_in(pair.to_worker, payloads)
+            if in_ring:
+                said["frames"] = in_ring
+                self._note_used(peer)
+        elif big and self.ring_bytes and peer not in self._refused and peer not in self._offers:
+            offer = self._offer(peer)
+            if offer is not None:
+                said["offer"] = offer
+        return payloads, said or None
+
+    def _offer(self, peer: bytes) -> list | None:
+        try:
+            pair, fd = rings.RingPair.create(self.ring_bytes)
+        except OSError as error:  # out of file descriptors or memory maps: the socket still works
+            log.warning("worker %r keeps its payloads to the socket: no ring (%s)", peer, error)
+            self._refused.add(peer)
+            return None
+        self._offers[peer] = (pair, fd)
+        return [f"/proc/{os.getpid()}/fd/{fd}", self.ring_bytes]
+
+    def incoming(self, peer: bytes, field: Any, payloads: list) -> list:
+        """The payloads of a message from `peer`, with the frames in its ring copied out."""
+        if not isinstance(field, dict):
+            raise rings.RingError(f"the ring field is {type(field).__name__}, not a map")
+        if "accepted" in field or "refused" in field:
+            self._answered(peer, field.get("refused"))
+        pair = self._pairs.get(peer)
+        if pair is None:
+            if "taken" in field or "frames" in field:
+                raise rings.RingError("ring frames from a worker without rings")
+            return payloads
+        if "taken" in field:
+            pair.to_worker.told_taken(field["taken"])
+        if field.get("frames"):
+            payloads = rings.taken_out(pair.to_front, field["frames"], payloads)
+            self.owed.add(peer)
+            self._note_used(peer)
+        return payloads
+
+    def _answered(self, peer: bytes, refusal: Any) -> None:
+        offer = self._offers.pop(peer, None)
+        if offer is None:
+            raise rings.RingError("an answer to no offer of rings")
+        pair, fd = offer
+        os.close(fd)  # mapped by both now, or by us alone
+        if refusal is None:
+            self._pairs[peer] = pair
+            return
+        pair.close()
+        self._refused.add(peer)
+        log.warning("worker %r keeps its payloads to the socket: %s", peer, refusal)
+
+    def forget(self, peer: bytes) -> None:
+        """The worker is gone: its rings go, and their memory with them."""
+        pair = self._pairs.pop(peer, None)
+        offer = self._offers.pop(peer, None)
+        if offer is not None:
+            pair = offer[0]
+            os.close(offer[1])
+        if pair is not None:
+            pair.close()
+        self._refused.discard(peer)
+        self.owed.discard(peer)
+        self._used.discard(peer)
+
+    def close(self) -> None:
+        if self._give_back_timer is not None:
+            self._give_back_timer.cancel()
+        for peer in [*self._pairs, *self._offers]:
+            self.forget(peer)
+
+    def _note_used(self, peer: bytes) -> None:
+        self._used.add(peer)
+        self._last_used = time.monotonic()
+        if self._give_back_timer is None:
+            self._give_back_timer = asyncio.get_running_loop().call_later(QUIET_SECONDS, self._give_back)
+
+    def _give_back(self) -> None:
+        """Frees the pages of every used ring whose worker holds no call, once big frames are quiet."""
+        self._give_back_timer = None
+        quiet_for = time.monotonic() - self._last_used
+        if quiet_for >= QUIET_SECONDS:
+            for peer in list(self._used):
+                if not self._is_busy(peer):
+                    self._pairs[peer].give_back()
+                    self._used.discard(peer)
+        if self._used:  # frames still come, or some worker still holds a call: look again later
+            wait = QUIET_SECONDS - quiet_for if quiet_for < QUIET_SECONDS else QUIET_SECONDS
+            self._give_back_timer = asyncio.get_running_loop().call_later(wait, self._give_back)

@@ -1,0 +1,296 @@
+"""Big payload frames through shared memory (workers/rings.py, runtime/rings.py): the ring, the offer,
+both sides in one process, and the runtime serving big calls through it and giving its pages back."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+
+import msgpack
+import numpy as np
+import pytest
+from harness import MiB, Runtime, mesh_headers, wait_until
+
+from protos import grpc_predict_v2_pb2 as v2
+from runtime import rings as front_rings
+from runtime.rings import FrontRings
+from workers import protocol
+from workers.loop import Worker
+from workers.rings import RING_MIN_BYTES, Ring, RingError, RingPair, WorkerRings
+
+# -- one ring ----------------------------------------------------------------------------
+
+
+def test_a_frame_comes_out_as_it_went_in_and_the_next_starts_after_it():
+    ring = Ring(memoryview(bytearray(100)))
+    assert ring.put(b"a" * 30) == 0
+    assert ring.put(b"b" * 30) == 30
+    assert ring.take(0, 30) == b"a" * 30
+    assert ring.take(30, 30) == b"b" * 30
+    assert ring.taken == 60
+
+
+def test_a_frame_never_wraps_and_waits_for_the_room_it_needs():
+    ring = Ring(memoryview(bytearray(100)))
+    ring.put(b"a" * 30)
+    ring.put(b"b" * 30)
+    ring.told_taken(30)
+    assert ring.put(b"c" * 50) is None  # past the end: it must start at the first byte, still taken up
+    ring.told_taken(60)
+    assert ring.put(b"c" * 50) == 100  # the first byte again, one lap on
+    assert ring.view[:50] == b"c" * 50
+
+
+def test_once_everything_is_taken_the_next_frame_starts_at_the_first_byte_again():
+    ring = Ring(memoryview(bytearray(100)))
+    ring.put(b"a" * 30)
+    ring.told_taken(30)
+    assert ring.put(b"b" * 10) == 100  # the same pages again, not the next 10 bytes
+    assert ring.put(b"c" * 10) == 110
+
+
+def test_a_frame_bigger_than_the_ring_or_than_its_room_does_not_fit():
+    ring = Ring(memoryview(bytearray(100)))
+    assert ring.put(b"x" * 101) is None
+    ring.put(b"a" * 60)
+    assert ring.put(b"b" * 60) is None
+    assert ring.head == 60  # nothing was written
+
+
+@pytest.mark.parametrize(
+    "position, length",
+    [(0, 10), (95, 10), ("0", 10), (60, -1), (60, True)],
+    ids=["already-taken", "past-the-end", "not-a-number", "negative", "bool-length-is-an-int"],
+)
+def test_take_refuses_what_cannot_be_a_frame_in_the_ring(position, length):
+    ring = Ring(memoryview(bytearray(100)))
+    ring.taken = 50
+    if length is True:  # msgpack never sends a bool for a length, but one is an int: a 1-byte frame
+        assert ring.take(position, length) == b"\0"
+        return
+    with pytest.raises(RingError):
+        ring.take(position, length)
+
+
+def test_told_taken_must_lie_between_what_was_taken_and_what_was_put():
+    ring = Ring(memoryview(bytearray(100)))
+    ring.put(b"a" * 30)
+    with pytest.raises(RingError):
+        ring.told_taken(31)
+    ring.told_taken(30)
+    with pytest.raises(RingError):
+        ring.told_taken(29)
+
+
+def test_a_pair_opened_by_path_shares_its_bytes_and_giving_back_frees_them():
+    pair, fd = RingPair.create(RING_MIN_BYTES)
+    try:
+        other = RingPair.open(f"/proc/{os.getpid()}/fd/{fd}", RING_MIN_BYTES)
+        position = pair.to_worker.put(b"q" * RING_MIN_BYTES)
+        assert other.to_worker.take(position, RING_MIN_BYTES) == b"q" * RING_MIN_BYTES
+        pair.give_back()
+        assert bytes(other.to_worker.view[:8]) == bytes(8)  # the pages are gone for both
+        other.close()
+        with pytest.raises(RingError):
+            RingPair.open(f"/proc/{os.getpid()}/fd/{fd}", 2 * RING_MIN_BYTES)
+    finally:
+        os.close(fd)
+        pair.close()
+
+
+# -- both sides in one process ------------------------------------------------------------
+
+BIG = RING_MIN_BYTES
+PEER = b"w1"
+
+
+def front_sends(front: FrontRings, payloads: list) -> tuple[dict, list]:
+    """What the front's channel would send: the payloads and the header's ring field."""
+    payloads, field = front.outgoing(PEER, payloads)
+    return (field or {}), list(payloads)
+
+
+def worker_replies(worker: WorkerRings, payloads: list) -> tuple[dict, list]:
+    frames = worker.outgoing([protocol.reply(1), *payloads]) if worker.in_use else None
+    if frames is None:
+        return {}, payloads
+    return msgpack.unpackb(frames[0]).get("ring", {}), frames[1:]
+
+
+def test_the_front_offers_with_its_first_big_frame_then_big_frames_cross_in_the_ring():
+    async def main():
+        front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+        worker = WorkerRings()
+        request = os.urandom(BIG)
+        field, payloads = front_sends(front, [request])
+        assert "offer" in field and payloads == [request]  # the first goes over the socket
+        assert worker.receive(field, payloads) == [request]
+        field, frames = worker_replies(worker, [b"small"])
+        assert field == {"accepted": True}
+        front.incoming(PEER, field, frames)
+
+        field, payloads = front_sends(front, [request])
+        assert payloads == [b""] and field["frames"] == [[0, 0, BIG]]
+        assert worker.receive(field, payloads) == [request]
+        response = os.urandom(2 * BIG)
+        field, frames = worker_replies(worker, [b"head", response])
+        assert field["taken"] == BIG and field["frames"] == [[1, 0, 2 * BIG]]
+        assert frames == [b"head", b""]
+        assert front.incoming(PEER, field, frames) == [b"head", response]
+        assert front.owed == {PEER}
+
+        field, payloads = front_sends(front, [b"small"])  # the front says what it took
+        assert field == {"taken": 2 * BIG} and payloads == [b"small"]
+        worker.receive(field, payloads)
+        assert worker.pair is not None and worker.pair.to_front.tail == 2 * BIG
+
+        floats = np.arange(BIG // 4, dtype=np.float32)  # a view counts elements; the ring, bytes
+        field, frames = worker_replies(worker, [b"head", memoryview(floats)])
+        assert field["frames"] == [[1, 4 * BIG, BIG]]  # all taken: the first byte again, one lap on
+        assert front.incoming(PEER, field, frames)[1] == floats.tobytes()
+        front.close()
+        worker.pair.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_cannot_map_the_offer_keeps_to_the_socket_and_is_not_asked_again():
+    front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+    worker = WorkerRings()
+    field, payloads = front_sends(front, [bytes(BIG)])
+    field["offer"][0] = "/proc/self/fd/999999"  # a path the worker cannot open
+    worker.receive(field, payloads)
+    field, frames = worker_replies(worker, [b"x"])
+    assert "refused" in field and worker.pair is None
+    front.incoming(PEER, field, frames)
+    assert front_sends(front, [bytes(BIG)]) == ({}, [bytes(BIG)])
+    front.close()
+
+
+@pytest.mark.parametrize(
+    "field",
+    [{"frames": [[0, 0, 10]]}, {"taken": 5}, ["not", "a", "map"]],
+    ids=["frames-without-a-ring", "taken-without-a-ring", "not-a-map"],
+)
+def test_ring_fields_that_describe_nothing_are_protocol_errors(field):
+    with pytest.raises(RingError):
+        WorkerRings().receive(field, [b""])
+    with pytest.raises(RingError):
+        FrontRings(BIG, is_busy=lambda peer: False).incoming(PEER, field, [b""])
+
+
+def test_pages_go_back_once_big_frames_stop_and_only_for_workers_holding_no_call(monkeypatch):
+    monkeypatch.setattr(front_rings, "QUIET_SECONDS", 0.05)
+
+    async def main():
+        busy = {b"w1", b"w2"}
+        front = FrontRings(4 * BIG, is_busy=lambda peer: peer in busy)
+        pairs = {}
+        for peer in (b"w1", b"w2"):
+            front.outgoing(peer, [bytes(BIG)])  # the offer
+            pair, _ = front._offers[peer]
+            front.incoming(peer, {"accepted": True}, [])
+            pairs[peer] = pair
+            front.outgoing(peer, [b"\x01" * BIG])  # in the ring now
+        busy.discard(b"w1")
+        await asyncio.sleep(0.2)
+        assert bytes(pairs[b"w1"].to_worker.view[:4]) == bytes(4)  # given back
+        assert bytes(pairs[b"w2"].to_worker.view[:4]) == b"\x01" * 4  # its call still runs
+        busy.clear()
+        await asyncio.sleep(0.2)
+        assert bytes(pairs[b"w2"].to_worker.view[:4]) == bytes(4)
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_whose_payload_is_not_in_the_ring_fails_with_a_protocol_error(tmp_path):
+    worker = Worker(
+        {"address": f"ipc://{tmp_path}/unit.sock", "identity": b"unit", "heartbeat_timeout": 1, "threads": 1}
+    )
+    sent = []
+    worker.send = lambda frames: sent.append(msgpack.unpackb(frames[0]))
+    header = protocol.header(
+        protocol.OP_CALL,
+        9,
+        model="m",
+        method=protocol.METHOD_INFER,
+        deadline=None,
+        ring={"frames": [[0, 0, 8]]},
+    )
+    worker.handle([(header, [memoryview(b"")])])
+    assert sent and sent[0]["id"] == 9 and sent[0]["error"] == protocol.ERROR_PROTOCOL
+    worker.socket.close(linger=0)
+    worker.context.term()
+
+
+# -- the runtime ---------------------------------------------------------------------------
+
+
+def echo_request(values: int, first: int) -> v2.ModelInferRequest:
+    request = v2.ModelInferRequest(model_name="echo")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, values])
+    request.raw_input_contents.append(np.arange(first, first + values, dtype=np.float32).tobytes())
+    return request
+
+
+def ring_pages(pid: int) -> int:
+    """Bytes of the process's mappings of rings that are resident (/proc/PID/smaps)."""
+    total, in_ring = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:  # a mapping's first line
+                in_ring = "memfd:mesh-ring" in line
+            elif in_ring and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def rings_mapped(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum("memfd:mesh-ring" in line for line in maps)
+
+
+def big_echoes_in_parallel(runtime: Runtime, calls: int, values: int) -> None:
+    requests = [echo_request(values, first) for first in range(calls)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(
+            pool.map(
+                lambda request: runtime.infer.ModelInfer(request, metadata=mesh_headers("echo"), timeout=30),
+                requests,
+            )
+        )
+    for request, answer in zip(requests, answers, strict=True):
+        assert answer.raw_output_contents[0] == request.raw_input_contents[0]
+
+
+def test_big_calls_cross_in_the_ring_come_back_whole_and_its_pages_go_back_once_they_stop():
+    with Runtime() as runtime:
+        runtime.load("echo", runtime.model_dir("echo"))
+        worker = runtime.worker_for("echo")
+        assert worker is not None
+        big_echoes_in_parallel(runtime, 24, MiB // 4)
+        assert rings_mapped(runtime.pid) == 1 and rings_mapped(worker.pid) == 1
+        assert ring_pages(runtime.pid) >= MiB
+        wait_until(
+            lambda: ring_pages(runtime.pid) == 0 and ring_pages(worker.pid) == 0,
+            timeout=10,
+            what="the ring's pages to go back",
+        )
+        big_echoes_in_parallel(runtime, 4, MiB // 4)  # and it serves on after that
+        os.kill(worker.pid, 9)
+        wait_until(lambda: rings_mapped(runtime.pid) == 0, timeout=10, what="the dead worker's ring to go")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"SHARED_RING_BYTES": "0"}, {"SHARED_RING_BYTES": str(RING_MIN_BYTES)}, {"WORKER_THREADS": "2"}],
+    ids=["no-ring", "frames-bigger-than-the-ring", "call-threads"],
+)
+def test_big_calls_come_back_whole_however_the_ring_is_set(settings):
+    with Runtime(**settings) as runtime:
+        runtime.load("echo", runtime.model_dir("echo"))
+        big_echoes_in_parallel(runtime, 12, MiB // 4)
+        expected = 0 if settings.get("SHARED_RING_BYTES") == "0" else 1
+        assert rings_mapped(runtime.pid) == expected

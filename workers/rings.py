@@ -1,0 +1,230 @@
+"""Big payload frames between the front and a worker through shared memory, not the socket.
+
+A frame of RING_MIN_BYTES or more sent over the worker socket is copied by
+the sender's ZeroMQ I/O thread into the kernel and by the receiver's out of
+it, and both threads wake for it, several times a frame at this size
+(scripts/bench: most of the CPU of a 1 MiB echo call beyond the bare
+server's). Instead, each side copies such a frame into a ring in a memfd
+both map, and the message carries an empty frame in its place plus the
+header field `ring` saying where it is. The receiver copies it out as soon
+as the message arrives, so each ring is consumed in the order it was
+filled, and tells the sender how far it has taken in the next message it
+sends anyway. Positions count bytes since the ring was made, so they only
+grow; a frame never wraps (it starts again at the ring's first byte).
+
+The front makes a worker's rings the first time it sends the worker a big
+frame: it offers the memfd (by its /proc path) in that call, which still
+carries its frame over the socket; the worker maps it and says so in its
+reply. A worker that cannot map it says why and is never offered again; a
+frame that does not fit goes over the socket. So the socket alone is always
+enough, and a ring only saves work.
+
+The `ring` header field, in either direction, a map with any of:
+
+    offer     [path, bytes per ring]   front -> worker: map this memfd
+    accepted  true                     worker -> front: mapped
+    refused   reason                   worker -> front: cannot map it
+    frames    [[index, position, length], ...]
+              the payload frames (index 0: the first after the header)
+              that are in the sender's ring instead of the message
+    taken     position                 the receiver has copied out all
+                                       of the sender's ring up to here
+
+The front's side is runtime/rings.py; this module is the ring and the
+worker's side.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from workers import protocol
+
+log = logging.getLogger("mesh.rings")
+
+# Smaller frames cost less over the socket than the two copies a ring makes.
+RING_MIN_BYTES = protocol.COPY_BELOW
+FIELD = "ring"
+
+
+class RingError(protocol.ProtocolError):
+    """A ring field that does not describe frames in the ring."""
+
+
+class Ring:
+    """One direction of a memfd: the sender copies frames in, the receiver copies them out in order."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+        self.size = len(view)
+        self.head = 0  # sender: where the next frame may start
+        self.tail = 0  # sender: how far the receiver last said it has taken
+        self.taken = 0  # receiver: the end of the last frame copied out
+
+    def put(self, data: memoryview) -> int | None:
+        """Copies `data` (a flat view of bytes, byte_view()) in and returns its position; None while it
+        does not fit."""
+        start = self.head
+        # Everything taken: start over at the first byte, so that calls one at a time reuse the same
+        # pages. Or the frame would pass the end: frames never wrap.
+        if start == self.tail or start % self.size + len(data) > self.size:
+            start = -(-start // self.size) * self.size
+        if start + len(data) > self.tail + self.size:
+            return None
+        offset = start % self.size
+        self.view[offset : offset + len(data)] = data
+        self.head = start + len(data)
+        return start
+
+    def take(self, position: Any, length: Any) -> bytes:
+        """Copies out the frame the sender put at `position`."""
+        if not (isinstance(position, int) and isinstance(length, int)) or length < 0:
+            raise RingError(f"a ring frame at {position!r} of {length!r} bytes")
+        offset = position % self.size
+        if position < self.taken or offset + length > self.size:
+            raise RingError(f"a ring frame at {position} of {length} bytes, after {self.taken} was taken")
+        data = bytes(self.view[offset : offset + length])
+        self.taken = position + length
+        return data
+
+    def told_taken(self, position: Any) -> None:
+        """The receiver has taken everything before `position`: that room is free again."""
+        if not isinstance(position, int) or not self.tail <= position <= self.head:
+            raise RingError(f"taken {position!r}, with {self.tail} taken and {self.head} put")
+        self.tail = position
+
+
+class RingPair:
+    """The memfd of one worker: its first half carries frames to the worker, its second to the front."""
+
+    def __init__(self, memory: mmap.mmap, ring_bytes: int):
+        self.memory = memory
+        self._view = memoryview(memory)
+        self.to_worker = Ring(self._view[:ring_bytes])
+        self.to_front = Ring(self._view[ring_bytes:])
+
+    @classmethod
+    def create(cls, ring_bytes: int) -> tuple[RingPair, int]:
+        """A new pair and its memfd, which the caller closes once the worker has mapped it."""
+        fd = os.memfd_create("mesh-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, 2 * ring_bytes)  # sparse: pages exist once a frame is written to them
+            return cls(mmap.mmap(fd, 2 * ring_bytes), ring_bytes), fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def open(cls, path: str, ring_bytes: int) -> RingPair:
+        """Maps the pair the front offered; raises OSError or RingError when it cannot."""
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != 2 * ring_bytes:
+                raise RingError(f"{path} is not a pair of {ring_bytes}-byte rings")
+            return cls(mmap.mmap(fd, 2 * ring_bytes), ring_bytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memfd
+
+    def give_back(self) -> None:
+        """Frees every page of both rings (for both processes); call only while neither holds a frame."""
+        self.memory.madvise(mmap.MADV_REMOVE)
+
+    def close(self) -> None:
+        for view in (self.to_worker.view, self.to_front.view, self._view):
+            view.release()
+        self.memory.close()
+
+
+class WorkerRings:
+    """The worker's side: maps the front's offer, takes frames out, puts big reply frames in."""
+
+    def __init__(self) -> None:
+        self.pair: RingPair | None = None
+        self._to_say: dict[str, Any] = {}  # for the next message to the front
+        self.in_use = False  # once offered: every message to the front goes through outgoing()
+
+    def receive(self, field: Any, payloads: list) -> list:
+        """The message's payloads with the frames in the ring copied out (field: its header's `ring`)."""
+        if not isinstance(field, dict):
+            raise RingError(f"the ring field is {type(field).__name__}, not a map")
+        if "offer" in field:
+            self.in_use = True
+            self._map(field["offer"])
+        pair = self.pair
+        if pair is None:
+            if "taken" in field or "frames" in field:
+                raise RingError("ring frames, and no ring mapped")
+            return payloads
+        if "taken" in field:
+            pair.to_front.told_taken(field["taken"])
+        if field.get("frames"):
+            payloads = taken_out(pair.to_worker, field["frames"], payloads)
+            self._to_say["taken"] = pair.to_worker.taken
+        return payloads
+
+    def _map(self, offer: Any) -> None:
+        try:
+            path, ring_bytes = offer
+            if self.pair is not None:
+                raise RingError("a second ring offered")
+            self.pair = RingPair.open(path, ring_bytes)
+        except (OSError, ValueError, TypeError) as error:  # RingError is a ValueError
+            log.warning("payloads keep to the socket: cannot map the front's ring (%s)", error)
+            self._to_say["refused"] = str(error)
+        else:
+            self._to_say["accepted"] = True
+
+    def outgoing(self, frames: list) -> list:
+        """`frames` ([header, *payloads]) with big payloads moved to the ring and the header saying so."""
+        said, self._to_say = self._to_say, {}
+        pair = self.pair
+        if pair is not None:
+            frames, in_ring = put_in(pair.to_front, frames, first=1)
+            if in_ring:
+                said["frames"] = in_ring
+        if not said:
+            return frames
+        header = msgpack.unpackb(frames[0])
+        header[FIELD] = said
+        return [protocol.pack_fields(header), *frames[1:]]
+
+
+def taken_out(ring: Ring, frames: Any, payloads: Sequence[Any]) -> list:
+    """`payloads` with the empty frames that `frames` names replaced by their copies from `ring`."""
+    payloads = list(payloads)
+    try:
+        for index, position, length in frames:
+            if not isinstance(index, int) or index < 0 or payloads[index]:
+                raise RingError(f"payload {index!r} cannot come from the ring")
+            payloads[index] = ring.take(position, length)
+    except (TypeError, ValueError, IndexError) as error:  # RingError is a ValueError
+        raise RingError(f"ring frames {frames!r}: {error}") from None
+    return payloads
+
+
+def put_in(ring: Ring, frames: Sequence[Any], first: int = 0) -> tuple[list, list]:
+    """Puts each frame of RING_MIN_BYTES or more from index `first` on into `ring` while they fit:
+    (the frames with an empty one in place of each, [[payload index, position, length], ...])."""
+    frames, in_ring = list(frames), []
+    for index in range(first, len(frames)):
+        data = byte_view(frames[index])
+        if data is not None and len(data) >= RING_MIN_BYTES:
+            position = ring.put(data)
+            if position is not None:
+                in_ring.append([index - first, position, len(data)])
+                frames[index] = b""
+    return frames, in_ring
+
+
+def byte_view(frame: Any) -> memoryview | None:
+    """The frame's bytes as one flat view; None for a buffer that is not one contiguous block."""
+    try:
+        return memoryview(frame).cast("B")
+    except (TypeError, ValueError):
+        return None
