@@ -210,8 +210,11 @@ class Channel:
 
     def _dispatch(self, peer: bytes, header: dict, payloads: list) -> None:
         ring = header.get(rings.FIELD)
-        if ring is not None:  # first, whoever waits: the ring is read in the order it was filled
-            payloads = self.rings.incoming(peer, ring, payloads)
+        if ring is not None:  # first, whoever waits: each ring is read in the order it was filled
+            try:
+                payloads = self.rings.incoming(peer, ring, payloads)
+            except rings.RingError as error:
+                header = _failed_for_lost_payloads(peer, header, error)
         self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
             return
@@ -221,8 +224,16 @@ class Channel:
         self._end(header["id"], result=(header, payloads))
 
 
+def _failed_for_lost_payloads(peer: bytes, header: dict, error: Exception) -> dict:
+    """A message whose payloads cannot be read out of the ring, as a failed reply (INTERNAL)."""
+    log.error("worker %r sent payloads that are not in its ring: %s", peer, error)
+    message = f"the worker's reply was lost on its way: {error}"
+    return {**header, "ok": False, "error": protocol.ERROR_PROTOCOL, "message": message}
+
+
 def _reaches(payloads: Sequence[Any], size: float) -> bool:
-    """Whether any payload is `size` bytes or more: a plain loop, cheaper than max() with a default."""
+    """Whether any payload is `size` bytes or more, by len(): bytes for the byte strings the front
+    sends. A plain loop: cheaper than max() with a default."""
     for payload in payloads:
         if len(payload) >= size:
             return True

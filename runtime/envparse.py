@@ -71,6 +71,14 @@ def at_least(minimum: float) -> Callable[[Any], None]:
     return check
 
 
+def zero_or_at_least(minimum: float) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if value != 0 and value < minimum:
+            raise ValueError(f"must be 0 or at least {minimum}, got {value}")
+
+    return check
+
+
 def positive(value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")

@@ -62,8 +62,12 @@ class WorkerPool:
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
         os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
-        address, busy_poll_seconds = f"ipc://{settings.runtime_dir}/workers.sock", settings.busy_poll_us / 1e6
-        self.channel = Channel(address, self._on_event, busy_poll_seconds, settings.shared_ring_bytes)
+        self.channel = Channel(
+            f"ipc://{settings.runtime_dir}/workers.sock",
+            self._on_event,
+            busy_poll_seconds=settings.busy_poll_us / 1e6,
+            ring_bytes=settings.shared_ring_bytes,
+        )
         self.beats = BeatFile(settings.runtime_dir)
         self.ready = False
         self._on_worker_exit = on_worker_exit
@@ -185,10 +189,8 @@ class WorkerPool:
         overdue_after: float | None,
         on_overdue,
     ) -> asyncio.Future:
-        """Sends one call (header fields: workers/protocol.py); resolves to (reply header, payload
-        frames) or raises PeerGone. `on_end` runs once the worker is done with it, answered or dead,
-        whether or not anyone still waits; the error `on_overdue()` returns ends a call still
-        unanswered `overdue_after` seconds later (Channel.submit)."""
+        """Sends one call (header fields: workers/protocol.py) with Channel.submit(), which says what
+        `on_end` and `on_overdue` do; resolves to (reply header, payload frames) or raises PeerGone."""
         return self.channel.submit(
             worker.identity,
             protocol.OP_CALL,

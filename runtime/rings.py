@@ -26,41 +26,50 @@ QUIET_SECONDS = 1.0
 
 
 class FrontRings:
+    """Every worker's rings, as the front's channel uses them.
+
+    The channel passes a message through outgoing() when it is for one of
+    `owed`, the workers whose frames we took and have not said so yet, or
+    when one of its payloads reaches `threshold` bytes; and every message
+    with a ring field through incoming().
+    """
+
     def __init__(self, ring_bytes: int, is_busy: Callable[[bytes], bool]):
         """ring_bytes: of each direction, 0 for none; is_busy(peer): some call of its is unanswered."""
         self.ring_bytes = ring_bytes
         self._is_busy = is_busy
+        self.owed: set[bytes] = set()
+        self.threshold = rings.RING_MIN_BYTES if ring_bytes > 0 else math.inf
         self._pairs: dict[bytes, rings.RingPair] = {}  # workers that mapped their rings
         self._offers: dict[bytes, tuple[rings.RingPair, int]] = {}  # pair and memfd, until the worker answers
         self._refused: set[bytes] = set()
-        # A message must go through outgoing() when it is for one of `owed`, the workers whose
-        # frames we took and have not said so yet, or when one of its payloads reaches `threshold`.
-        self.owed: set[bytes] = set()
-        self.threshold = rings.RING_MIN_BYTES if ring_bytes > 0 else math.inf
+        self._frames: dict[bytes, list[int]] = {}  # frames that crossed each worker's rings: [to it, from it]
         self._used: set[bytes] = set()  # workers whose rings have pages to give back
         self._last_used = 0.0
         self._give_back_timer: asyncio.TimerHandle | None = None
+        self._can_give_back = True  # until the kernel refuses MADV_REMOVE
 
     def outgoing(self, peer: bytes, payloads: Sequence[Any]) -> tuple[Sequence[Any], dict | None]:
         """The payloads to send to `peer` and the header's ring field (None: nothing to say)."""
-        said: dict[str, Any] = {}
         pair = self._pairs.get(peer)
-        if peer in self.owed and pair is not None:
+        if pair is None:
+            offer = self._offer(peer)  # the frame itself goes over the socket this once
+            return payloads, None if offer is None else {"offer": offer}
+        said: dict[str, Any] = {}
+        if peer in self.owed:
             self.owed.discard(peer)
             said["taken"] = pair.to_front.taken
-        big = any(len(frame) >= rings.RING_MIN_BYTES for frame in payloads)
-        if big and pair is not None:
-            payloads, in_ring = rings.put_in(pair.to_worker, payloads)
-            if in_ring:
-                said["frames"] = in_ring
-                self._note_used(peer)
-        elif big and self.ring_bytes and peer not in self._refused and peer not in self._offers:
-            offer = self._offer(peer)
-            if offer is not None:
-                said["offer"] = offer
+        payloads, in_ring = rings.put_in(pair.to_worker, payloads)
+        if in_ring:
+            said["frames"] = in_ring
+            self._frames[peer][0] += len(in_ring)
+            self._note_used(peer)
         return payloads, said or None
 
     def _offer(self, peer: bytes) -> list | None:
+        """[memfd path, bytes per ring] of new rings for `peer`; None if it has some coming or refused."""
+        if not self.ring_bytes or peer in self._offers or peer in self._refused:
+            return None
         try:
             pair, fd = rings.RingPair.create(self.ring_bytes)
         except OSError as error:  # out of file descriptors or memory maps: the socket still works
@@ -86,6 +95,7 @@ class FrontRings:
         if field.get("frames"):
             payloads = rings.taken_out(pair.to_front, field["frames"], payloads)
             self.owed.add(peer)
+            self._frames[peer][1] += len(field["frames"])
             self._note_used(peer)
         return payloads
 
@@ -97,23 +107,29 @@ class FrontRings:
         os.close(fd)  # mapped by both now, or by us alone
         if refusal is None:
             self._pairs[peer] = pair
+            self._frames[peer] = [0, 0]
             return
         pair.close()
         self._refused.add(peer)
         log.warning("worker %r keeps its payloads to the socket: %s", peer, refusal)
 
+    def frames(self, peer: bytes) -> list[int] | None:
+        """[frames sent to it, frames received from it] through the worker's rings; None without rings."""
+        crossed = self._frames.get(peer)
+        return None if crossed is None else list(crossed)
+
     def forget(self, peer: bytes) -> None:
         """The worker is gone: its rings go, and their memory with them."""
         pair = self._pairs.pop(peer, None)
-        offer = self._offers.pop(peer, None)
+        offer = self._offers.pop(peer, None)  # a peer has rings or an offer, never both
         if offer is not None:
-            pair = offer[0]
-            os.close(offer[1])
+            pair, fd = offer
+            os.close(fd)
         if pair is not None:
             pair.close()
-        self._refused.discard(peer)
-        self.owed.discard(peer)
-        self._used.discard(peer)
+        for noted in (self._refused, self.owed, self._used):
+            noted.discard(peer)
+        self._frames.pop(peer, None)
 
     def close(self) -> None:
         if self._give_back_timer is not None:
@@ -122,6 +138,8 @@ class FrontRings:
             self.forget(peer)
 
     def _note_used(self, peer: bytes) -> None:
+        if not self._can_give_back:
+            return
         self._used.add(peer)
         self._last_used = time.monotonic()
         if self._give_back_timer is None:
@@ -132,10 +150,15 @@ class FrontRings:
         self._give_back_timer = None
         quiet_for = time.monotonic() - self._last_used
         if quiet_for >= QUIET_SECONDS:
-            for peer in list(self._used):
-                if not self._is_busy(peer):
+            for peer in [peer for peer in self._used if not self._is_busy(peer)]:
+                self._used.discard(peer)
+                try:
                     self._pairs[peer].give_back()
-                    self._used.discard(peer)
+                except OSError as error:  # a kernel or sandbox without MADV_REMOVE
+                    log.warning("ring pages stay until their worker exits: cannot give them back (%s)", error)
+                    self._can_give_back = False
+                    self._used.clear()
+                    return
         if self._used:  # frames still come, or some worker still holds a call: look again later
             wait = QUIET_SECONDS - quiet_for if quiet_for < QUIET_SECONDS else QUIET_SECONDS
             self._give_back_timer = asyncio.get_running_loop().call_later(wait, self._give_back)

@@ -301,7 +301,7 @@ VARIABLES: tuple[Variable, ...] = (
         "payload frames of 64 KiB or more go between the front and a worker through a shared-memory "
         "ring of this size each way, made for a worker when it first gets one, and its pages are "
         "given back 1 s after such frames stop (0: through the worker socket, as smaller ones go)",
-        parse.at_least(0),
+        parse.zero_or_at_least(65536),
     ),
     Variable(
         "WORKER_PRELOAD",

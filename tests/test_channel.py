@@ -174,3 +174,16 @@ def test_dead_peer_fails_every_request_waiting_on_it(run):
         assert not channel.replies_due_soon()
 
     run(test)
+
+
+def test_a_reply_whose_payloads_are_not_in_a_ring_fails_its_call_instead_of_hanging(run):
+    async def test(channel, worker):
+        future = channel.submit(b"w1", protocol.OP_CALL, [b"request"], method="m", deadline=None)
+        request_id = worker.take()["id"]
+        lost = {"frames": [[0, 0, 1 << 20]]}  # this worker has no rings
+        worker.socket.send_multipart([protocol.reply(request_id, ring=lost), b""])
+        header, _ = await asyncio.wait_for(future, 5)
+        assert header["ok"] is False and header["error"] == protocol.ERROR_PROTOCOL
+        assert not channel.replies_due_soon()  # nothing left waiting on it
+
+    run(test)

@@ -183,16 +183,14 @@ class Worker:
         for header_frame, payloads in messages:
             try:
                 header = protocol.parse_header(header_frame)
-                if rings.FIELD in header:
-                    payloads = self.rings.receive(header[rings.FIELD], payloads)
-                    self.note_sizes(payloads)
-            except rings.RingError as error:  # a payload it cannot find: the call fails rather than hang
-                log.error("a message's payloads are not in the ring: %s", error)
-                self.send([protocol.error_reply(header["id"], protocol.ERROR_PROTOCOL, str(error))])
-                continue
             except protocol.ProtocolError as error:
                 log.error("dropping a malformed message: %s", error)
                 continue
+            if rings.FIELD in header:
+                copied_out = self.out_of_ring(header, payloads)
+                if copied_out is None:
+                    continue
+                payloads = copied_out
             op = header["op"]
             if op == protocol.OP_CALL and self.pool is not None:
                 self.pool.submit(self.call_in_thread, header, payloads)
@@ -210,6 +208,17 @@ class Worker:
         if calls:
             for reply in self.on_calls(calls):
                 self.send(reply)
+
+    def out_of_ring(self, header: dict, payloads: list) -> list | None:
+        """The payloads with those in the ring copied out; None if they cannot be, the call failed."""
+        try:
+            payloads = self.rings.receive(header[rings.FIELD], payloads)
+        except rings.RingError as error:  # the call fails rather than wait for an answer forever
+            log.error("a message's payloads are not in the ring: %s", error)
+            self.send([protocol.error_reply(header["id"], protocol.ERROR_PROTOCOL, str(error))])
+            return None
+        self.note_sizes(payloads)
+        return payloads
 
     def call_in_thread(self, header: dict, payloads: list) -> None:
         try:

@@ -2,11 +2,10 @@
 
 A frame of RING_MIN_BYTES or more sent over the worker socket is copied by
 the sender's ZeroMQ I/O thread into the kernel and by the receiver's out of
-it, and both threads wake for it, several times a frame at this size
-(scripts/bench: most of the CPU of a 1 MiB echo call beyond the bare
-server's). Instead, each side copies such a frame into a ring in a memfd
-both map, and the message carries an empty frame in its place plus the
-header field `ring` saying where it is. The receiver copies it out as soon
+it, a socket buffer at a time, with both threads woken for each: for big
+frames that costs more than the rest of the call. Instead, each side copies
+such a frame into a ring in a memfd both map, and the message carries an
+empty frame in its place plus the header field `ring` saying where it is. The receiver copies it out as soon
 as the message arrives, so each ring is consumed in the order it was
 filled, and tells the sender how far it has taken in the next message it
 sends anyway. Positions count bytes since the ring was made, so they only
@@ -36,6 +35,8 @@ worker's side.
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import logging
 import mmap
 import os
@@ -70,12 +71,13 @@ class Ring:
     def put(self, data: memoryview) -> int | None:
         """Copies `data` (a flat view of bytes, byte_view()) in and returns its position; None while it
         does not fit."""
-        start = self.head
+        start, empty = self.head, self.head == self.tail
         # Everything taken: start over at the first byte, so that calls one at a time reuse the same
         # pages. Or the frame would pass the end: frames never wrap.
-        if start == self.tail or start % self.size + len(data) > self.size:
+        if empty or start % self.size + len(data) > self.size:
             start = -(-start // self.size) * self.size
-        if start + len(data) > self.tail + self.size:
+        room_until = (start if empty else self.tail) + self.size  # an empty ring has all its room
+        if start + len(data) > room_until:
             return None
         offset = start % self.size
         self.view[offset : offset + len(data)] = data
@@ -100,22 +102,67 @@ class Ring:
         self.tail = position
 
 
+# mmap(2), madvise(2) and munmap(2), as SharedMapping calls them.
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _raise_errno() -> None:
+    error = ctypes.get_errno()
+    raise OSError(error, os.strerror(error))
+
+
+class SharedMapping:
+    """A shared mapping of a file, without the descriptor Python's mmap.mmap keeps open for its life:
+    the front maps a memfd for each worker it sends big frames to, and its open files bound how
+    many workers it may run (runtime/filelimit.py)."""
+
+    def __init__(self, fd: int, length: int):
+        address = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address == _MAP_FAILED:
+            _raise_errno()
+        self.address, self.length = address, length
+        self.view = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+    def free_pages(self) -> None:
+        """Frees every page, for every process that maps the file (their next touch reads zeros)."""
+        if _libc.madvise(self.address, self.length, mmap.MADV_REMOVE) != 0:
+            _raise_errno()
+
+    def close(self) -> None:
+        """Unmaps it; every view of it must have been released."""
+        self.view.release()
+        _libc.munmap(self.address, self.length)
+
+
 class RingPair:
     """The memfd of one worker: its first half carries frames to the worker, its second to the front."""
 
-    def __init__(self, memory: mmap.mmap, ring_bytes: int):
+    def __init__(self, memory: SharedMapping, ring_bytes: int):
         self.memory = memory
-        self._view = memoryview(memory)
-        self.to_worker = Ring(self._view[:ring_bytes])
-        self.to_front = Ring(self._view[ring_bytes:])
+        self.to_worker = Ring(memory.view[:ring_bytes])
+        self.to_front = Ring(memory.view[ring_bytes:])
 
     @classmethod
     def create(cls, ring_bytes: int) -> tuple[RingPair, int]:
         """A new pair and its memfd, which the caller closes once the worker has mapped it."""
-        fd = os.memfd_create("mesh-ring", os.MFD_CLOEXEC)
+        fd = os.memfd_create("mesh-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, 2 * ring_bytes)  # sparse: pages exist once a frame is written to them
-            return cls(mmap.mmap(fd, 2 * ring_bytes), ring_bytes), fd
+            # Nobody may shrink it under the front's mapping: touching a page past the end is SIGBUS.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            return cls(SharedMapping(fd, 2 * ring_bytes), ring_bytes), fd
         except BaseException:
             os.close(fd)
             raise
@@ -127,17 +174,17 @@ class RingPair:
         try:
             if os.fstat(fd).st_size != 2 * ring_bytes:
                 raise RingError(f"{path} is not a pair of {ring_bytes}-byte rings")
-            return cls(mmap.mmap(fd, 2 * ring_bytes), ring_bytes)
+            return cls(SharedMapping(fd, 2 * ring_bytes), ring_bytes)
         finally:
             os.close(fd)  # the mapping keeps the memfd
 
     def give_back(self) -> None:
         """Frees every page of both rings (for both processes); call only while neither holds a frame."""
-        self.memory.madvise(mmap.MADV_REMOVE)
+        self.memory.free_pages()
 
     def close(self) -> None:
-        for view in (self.to_worker.view, self.to_front.view, self._view):
-            view.release()
+        self.to_worker.view.release()
+        self.to_front.view.release()
         self.memory.close()
 
 

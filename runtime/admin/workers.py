@@ -3,8 +3,9 @@
 Each row: pid, role (spare, model, or pack: a worker holding several small
 models, each listed under `models` with the bytes it is charged), model id, state (starting, spare,
 loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS and RSS in bytes, CPU % since
-the last `workers` call, calls in flight, calls served, calls failed, and the
-last error.
+the last `workers` call, calls in flight, calls served, calls failed, the
+last error, and the big payload frames that crossed its shared-memory rings
+([to it, from it], null before it has rings: runtime/rings.py).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
                 "served": worker.served,
                 "errors": worker.errors,
                 "last_error": worker.last_error or worker.kill_reason,
+                "ring_frames": supervisor.pool.channel.rings.frames(worker.identity),
             }
         )
     return rows
