@@ -51,6 +51,17 @@ def test_once_everything_is_taken_the_next_frame_starts_at_the_first_byte_again(
     assert ring.put(b"c" * 10) == 110
 
 
+def test_a_frame_goes_back_to_the_first_byte_as_soon_as_it_fits_there():
+    ring = Ring(memoryview(bytearray(100)))
+    ring.put(b"a" * 30)
+    ring.put(b"b" * 30)
+    ring.told_taken(30)  # "b" is still in flight at 30-59
+    assert ring.put(b"c" * 20) == 100  # not 60: the pages at the start again
+    assert ring.put(b"d" * 20) is None  # 120-139 would run into "b" one lap on
+    ring.told_taken(60)
+    assert ring.put(b"d" * 20) == 120
+
+
 def test_an_empty_ring_has_all_its_room_whatever_came_before():
     ring = Ring(memoryview(bytearray(100)))
     for size in (10, 50, 100, 30, 100, 1, 99):  # one at a time, each taken before the next

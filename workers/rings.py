@@ -71,17 +71,21 @@ class Ring:
     def put(self, data: memoryview) -> int | None:
         """Copies `data` (a flat view of bytes, byte_view()) in and returns its position; None while it
         does not fit."""
-        start, empty = self.head, self.head == self.tail
-        # Everything taken: start over at the first byte, so that calls one at a time reuse the same
-        # pages. Or the frame would pass the end: frames never wrap.
-        if empty or start % self.size + len(data) > self.size:
-            start = -(-start // self.size) * self.size
-        room_until = (start if empty else self.tail) + self.size  # an empty ring has all its room
-        if start + len(data) > room_until:
+        size = len(data)
+        first_byte = -(-self.head // self.size) * self.size  # the ring's first byte, this lap or the next
+        # Free room ends where the oldest frame not taken yet starts, one lap on; an empty ring has it all.
+        room_until = (first_byte if self.head == self.tail else self.tail) + self.size
+        # The first byte whenever the frame fits there: frames keep to the ring's first pages, and
+        # only as many of them are touched as the frames in flight need. Frames never wrap.
+        if first_byte + size <= room_until:
+            start = first_byte
+        elif self.head % self.size + size <= self.size and self.head + size <= room_until:
+            start = self.head
+        else:
             return None
         offset = start % self.size
-        self.view[offset : offset + len(data)] = data
-        self.head = start + len(data)
+        self.view[offset : offset + size] = data
+        self.head = start + size
         return start
 
     def take(self, position: Any, length: Any) -> bytes:
