@@ -214,7 +214,7 @@ class Channel:
             try:
                 payloads = self.rings.incoming(peer, ring, payloads)
             except rings.RingError as error:
-                header = _failed_for_lost_payloads(peer, header, error)
+                header = self._failed_for_lost_payloads(peer, header, error)
         self._on_event(peer, header)  # every message proves the worker alive
         if header["op"] != protocol.OP_REPLY:
             return
@@ -223,12 +223,21 @@ class Channel:
             return  # a reply from a worker the request did not go to
         self._end(header["id"], result=(header, payloads))
 
+    def _failed_for_lost_payloads(self, peer: bytes, header: dict, error: Exception) -> dict:
+        """A message whose payloads cannot be read out of the ring, as a failed reply (INTERNAL).
 
-def _failed_for_lost_payloads(peer: bytes, header: dict, error: Exception) -> dict:
-    """A message whose payloads cannot be read out of the ring, as a failed reply (INTERNAL)."""
-    log.error("worker %r sent payloads that are not in its ring: %s", peer, error)
-    message = f"the worker's reply was lost on its way: {error}"
-    return {**header, "ok": False, "error": protocol.ERROR_PROTOCOL, "message": message}
+        A bug, unless the worker is dead and its rings gone, its last messages read only now.
+        """
+        request = self._pending.get(header["id"])
+        waited_for = request is not None and request.peer == peer
+        log.log(
+            logging.ERROR if waited_for else logging.WARNING,
+            "worker %r sent payloads that are not in its ring: %s",
+            peer,
+            error,
+        )
+        message = f"the worker's reply was lost on its way: {error}"
+        return {**header, "ok": False, "error": protocol.ERROR_PROTOCOL, "message": message}
 
 
 def _reaches(payloads: Sequence[Any], size: float) -> bool:
