@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgpack
 import pytest
@@ -10,6 +11,7 @@ import zmq
 
 from runtime.channel import Channel, PeerGone
 from workers import protocol
+from workers.rings import RING_MIN_BYTES, WorkerRings
 
 
 class FakeWorker:
@@ -46,13 +48,14 @@ async def until(condition, seconds: float = 5.0) -> None:
 def run(tmp_path):
     """Runs an async test with a started Channel and a connected FakeWorker."""
 
-    def runner(test, busy_poll_seconds: float = 0.0):
+    def runner(test, busy_poll_seconds: float = 0.0, ring_bytes: int = 0):
         async def main():
             heard = []
             channel = Channel(
                 f"ipc://{tmp_path}/channel.sock",
                 lambda peer, header: heard.append(header["op"]),
                 busy_poll_seconds,
+                ring_bytes,
             )
             channel.start()
             worker = FakeWorker(channel.address)
@@ -187,3 +190,41 @@ def test_a_reply_whose_payloads_are_not_in_a_ring_fails_its_call_instead_of_hang
         assert not channel.replies_due_soon()  # nothing left waiting on it
 
     run(test)
+
+
+def test_big_frames_cross_in_the_ring_both_ways_once_the_worker_has_mapped_it(run):
+    big, worker_rings = os.urandom(RING_MIN_BYTES), WorkerRings()
+
+    def serve(worker, reply_payloads: list) -> tuple[dict, list]:
+        """The fake worker takes one message, its payloads out of the ring, and answers."""
+        assert worker.socket.poll(5000), "the front sent nothing"
+        header, *payloads = worker.socket.recv_multipart()
+        header = msgpack.unpackb(header)
+        if "ring" in header:
+            payloads = worker_rings.receive(header["ring"], payloads)
+        frames = [protocol.reply(header["id"]), *reply_payloads]
+        worker.socket.send_multipart(worker_rings.outgoing(frames) if worker_rings.in_use else frames)
+        return header, payloads
+
+    async def call(channel, worker, payload: bytes, reply_payloads: list) -> tuple[dict, list, list]:
+        future = channel.submit(b"w1", protocol.OP_CALL, [payload], method="m", deadline=None)
+        sent, received = serve(worker, reply_payloads)
+        _, answer = await asyncio.wait_for(future, 5)
+        return sent, received, [bytes(frame) for frame in answer]
+
+    async def test(channel, worker):
+        sent, received, _ = await call(channel, worker, big, [b"ok"])
+        assert "offer" in sent["ring"] and received == [big]  # the first one over the socket
+        assert channel.rings.frames(b"w1") == [0, 0]  # the worker said it mapped the ring
+
+        sent, received, answer = await call(channel, worker, big, [b"head", big[::-1]])
+        assert sent["ring"]["frames"] == [[0, 0, RING_MIN_BYTES]] and received == [big]
+        assert answer == [b"head", big[::-1]]
+
+        sent, received, _ = await call(channel, worker, b"small", [b"ok"])
+        assert sent["ring"] == {"taken": RING_MIN_BYTES}  # the front said how far it had read
+        assert received == [b"small"] and channel.rings.frames(b"w1") == [1, 1]
+
+    run(test, ring_bytes=4 * RING_MIN_BYTES)
+    assert worker_rings.pair is not None
+    worker_rings.pair.close()
