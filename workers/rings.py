@@ -5,11 +5,13 @@ the sender's ZeroMQ I/O thread into the kernel and by the receiver's out of
 it, a socket buffer at a time, with both threads woken for each: for big
 frames that costs more than the rest of the call. Instead, each side copies
 such a frame into a ring in a memfd both map, and the message carries an
-empty frame in its place plus the header field `ring` saying where it is. The receiver copies it out as soon
-as the message arrives, so each ring is consumed in the order it was
-filled, and tells the sender how far it has taken in the next message it
-sends anyway. Positions count bytes since the ring was made, so they only
-grow; a frame never wraps (it starts again at the ring's first byte).
+empty frame in its place plus the header field `ring` saying where it is.
+The receiver copies it out as soon as the message arrives, so each ring is
+consumed in the order it was filled, and tells the sender how far it has
+taken in the next message it sends anyway: ZeroMQ's message passing orders
+the copies, no counter in the shared memory has to. Positions count bytes
+since the ring was made, so they only grow; a frame never wraps (it starts
+again at the ring's first byte).
 
 The front makes a worker's rings the first time it sends the worker a big
 frame: it offers the memfd (by its /proc path) in that call, which still
