@@ -81,19 +81,13 @@ class FrontRings:
 
     def incoming(self, peer: bytes, field: Any, payloads: list) -> list:
         """The payloads of a message from `peer`, with the frames in its ring copied out."""
-        if not isinstance(field, dict):
-            raise rings.RingError(f"the ring field is {type(field).__name__}, not a map")
+        field = rings.checked(field)
         if "accepted" in field or "refused" in field:
             self._answered(peer, field.get("refused"))
         pair = self._pairs.get(peer)
-        if pair is None:
-            if "taken" in field or "frames" in field:
-                raise rings.RingError("ring frames from a worker without rings")
-            return payloads
-        if "taken" in field:
-            pair.to_worker.told_taken(field["taken"])
-        if field.get("frames"):
-            payloads = rings.taken_out(pair.to_front, field["frames"], payloads)
+        sending, receiving = (pair.to_worker, pair.to_front) if pair else (None, None)
+        payloads = rings.apply(field, sending, receiving, payloads)
+        if pair is not None and field.get("frames"):
             self.owed.add(peer)
             self._frames[peer][1] += len(field["frames"])
             self._note_used(peer)

@@ -204,20 +204,14 @@ class WorkerRings:
 
     def receive(self, field: Any, payloads: list) -> list:
         """The message's payloads with the frames in the ring copied out (field: its header's `ring`)."""
-        if not isinstance(field, dict):
-            raise RingError(f"the ring field is {type(field).__name__}, not a map")
+        field = checked(field)
         if "offer" in field:
             self.in_use = True
             self._map(field["offer"])
         pair = self.pair
-        if pair is None:
-            if "taken" in field or "frames" in field:
-                raise RingError("ring frames, and no ring mapped")
-            return payloads
-        if "taken" in field:
-            pair.to_front.told_taken(field["taken"])
-        if field.get("frames"):
-            payloads = taken_out(pair.to_worker, field["frames"], payloads)
+        sending, receiving = (pair.to_front, pair.to_worker) if pair else (None, None)
+        payloads = apply(field, sending, receiving, payloads)
+        if pair is not None and field.get("frames"):
             self._to_say["taken"] = pair.to_worker.taken
         return payloads
 
@@ -246,6 +240,27 @@ class WorkerRings:
         header = msgpack.unpackb(frames[0])
         header[FIELD] = said
         return [protocol.pack_fields(header), *frames[1:]]
+
+
+def checked(field: Any) -> dict:
+    """The header's ring field, which must be a map."""
+    if not isinstance(field, dict):
+        raise RingError(f"the ring field is {type(field).__name__}, not a map")
+    return field
+
+
+def apply(field: dict, sending: Ring | None, receiving: Ring | None, payloads: list) -> list:
+    """What a peer's ring field says, applied: its `taken` frees room in the ring we send on, and
+    its frames are copied out of the ring it sends on (None, None: no rings mapped)."""
+    if sending is None or receiving is None:
+        if "taken" in field or "frames" in field:
+            raise RingError("ring frames, and no ring mapped")
+        return payloads
+    if "taken" in field:
+        sending.told_taken(field["taken"])
+    if field.get("frames"):
+        payloads = taken_out(receiving, field["frames"], payloads)
+    return payloads
 
 
 def taken_out(ring: Ring, frames: Any, payloads: Sequence[Any]) -> list:
