@@ -2,10 +2,11 @@
 
 workers/rings.py says why and how. Here the front offers a worker its
 rings with the first big frame it sends it, copies big request frames in
-and big reply frames out, and gives the rings' pages back to the OS once
-big frames have stopped for QUIET_SECONDS, for each worker that has no
-call in flight (so no frame in either ring): a worker that served one big
-burst keeps no memory for it. A worker's rings go when it does.
+and big reply frames out, and gives a worker's ring pages back to the OS
+once its big frames have stopped for QUIET_SECONDS and it has no call in
+flight (so no frame in either ring): a worker that served one big burst
+keeps no memory for it, whatever the other workers do. A worker's rings go
+when it does.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ class FrontRings:
         self._offers: dict[bytes, tuple[rings.RingPair, int]] = {}  # pair and memfd, until the worker answers
         self._refused: set[bytes] = set()
         self._frames: dict[bytes, list[int]] = {}  # frames that crossed each worker's rings: [to it, from it]
-        self._used: set[bytes] = set()  # workers whose rings have pages to give back
-        self._last_used = 0.0
+        self._used: dict[bytes, float] = {}  # workers whose rings have pages to give back: last used
         self._give_back_timer: asyncio.TimerHandle | None = None
         self._can_give_back = True  # until the kernel refuses MADV_REMOVE
 
@@ -83,7 +83,7 @@ class FrontRings:
         """The payloads of a message from `peer`, with the frames in its ring copied out."""
         field = rings.checked(field)
         if "accepted" in field or "refused" in field:
-            self._answered(peer, field.get("refused"))
+            self._answered(peer, _refusal(field))
         pair = self._pairs.get(peer)
         sending, receiving = (pair.to_worker, pair.to_front) if pair else (None, None)
         payloads = rings.apply(field, sending, receiving, payloads)
@@ -93,7 +93,7 @@ class FrontRings:
             self._note_used(peer)
         return payloads
 
-    def _answered(self, peer: bytes, refusal: Any) -> None:
+    def _answered(self, peer: bytes, refusal: str | None) -> None:
         offer = self._offers.pop(peer, None)
         if offer is None:
             raise rings.RingError("an answer to no offer of rings")
@@ -121,8 +121,9 @@ class FrontRings:
             os.close(fd)
         if pair is not None:
             pair.close()
-        for noted in (self._refused, self.owed, self._used):
-            noted.discard(peer)
+        self._refused.discard(peer)
+        self.owed.discard(peer)
+        self._used.pop(peer, None)
         self._frames.pop(peer, None)
 
     def close(self) -> None:
@@ -134,25 +135,34 @@ class FrontRings:
     def _note_used(self, peer: bytes) -> None:
         if not self._can_give_back:
             return
-        self._used.add(peer)
-        self._last_used = time.monotonic()
+        self._used[peer] = time.monotonic()
         if self._give_back_timer is None:
             self._give_back_timer = asyncio.get_running_loop().call_later(QUIET_SECONDS, self._give_back)
 
     def _give_back(self) -> None:
-        """Frees the pages of every used ring whose worker holds no call, once big frames are quiet."""
+        """Frees the pages of each used ring whose big frames are quiet and whose worker holds no call."""
         self._give_back_timer = None
-        quiet_for = time.monotonic() - self._last_used
-        if quiet_for >= QUIET_SECONDS:
-            for peer in [peer for peer in self._used if not self._is_busy(peer)]:
-                self._used.discard(peer)
-                try:
-                    self._pairs[peer].give_back()
-                except OSError as error:  # a kernel or sandbox without MADV_REMOVE
-                    log.warning("ring pages stay until their worker exits: cannot give them back (%s)", error)
-                    self._can_give_back = False
-                    self._used.clear()
-                    return
-        if self._used:  # frames still come, or some worker still holds a call: look again later
-            wait = QUIET_SECONDS - quiet_for if quiet_for < QUIET_SECONDS else QUIET_SECONDS
+        now = time.monotonic()
+        for peer, last_used in list(self._used.items()):
+            if now - last_used < QUIET_SECONDS or self._is_busy(peer):
+                continue
+            del self._used[peer]
+            try:
+                self._pairs[peer].give_back()
+            except OSError as error:  # a kernel or sandbox without MADV_REMOVE
+                log.warning("ring pages stay until their worker exits: cannot give them back (%s)", error)
+                self._can_give_back = False
+                self._used.clear()
+                return
+        if self._used:  # look again when the next one goes quiet (a busy one: a period on)
+            wait = max(QUIET_SECONDS - (now - min(self._used.values())), QUIET_SECONDS / 10)
             self._give_back_timer = asyncio.get_running_loop().call_later(wait, self._give_back)
+
+
+def _refusal(answer: dict) -> str | None:
+    """Why a worker did not map the rings offered; None when it says it did, and nothing else."""
+    if "refused" in answer:
+        return str(answer["refused"])
+    if answer["accepted"] is not True:
+        return f"an unclear answer to the offer: {answer!r}"
+    return None

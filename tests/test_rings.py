@@ -189,6 +189,29 @@ def test_a_worker_that_cannot_map_the_offer_keeps_to_the_socket_and_is_not_asked
     front.close()
 
 
+@pytest.mark.parametrize("answer", [{"accepted": False}, {"accepted": "yes"}, {"refused": None}])
+def test_an_answer_that_is_not_plainly_accepted_counts_as_a_refusal(answer):
+    front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+    front_sends(front, [bytes(BIG)])
+    front.incoming(PEER, answer, [])
+    assert front_sends(front, [bytes(BIG)]) == ({}, [bytes(BIG)])  # the socket, for good
+    front.close()
+
+
+def test_frames_that_add_up_to_more_than_the_ring_are_refused_before_any_copy():
+    front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+    front_sends(front, [bytes(BIG)])
+    front.incoming(PEER, {"accepted": True}, [])
+    copies = []
+    ring = front._pairs[PEER].to_front
+    ring.take = lambda position, length: copies.append(length) or b"x"  # type: ignore[method-assign]
+    whole_ring = [[index, index * 4 * BIG, 4 * BIG] for index in range(3)]
+    with pytest.raises(RingError):
+        front.incoming(PEER, {"frames": whole_ring}, [b"", b"", b""])
+    assert copies == []
+    front.close()
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -244,6 +267,28 @@ def test_pages_go_back_once_big_frames_stop_and_only_for_workers_holding_no_call
         busy.clear()
         await asyncio.sleep(0.2)
         assert bytes(pairs[b"w2"].to_worker.view[:4]) == bytes(4)
+        front.close()
+
+    asyncio.run(main())
+
+
+def test_a_quiet_worker_gets_its_pages_back_while_another_keeps_sending_big_frames(monkeypatch):
+    monkeypatch.setattr(front_rings, "QUIET_SECONDS", 0.05)
+
+    async def main():
+        front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+        pairs = {}
+        for peer in (b"w1", b"w2"):
+            front.outgoing(peer, [bytes(BIG)])  # the offer
+            pairs[peer] = front._offers[peer][0]
+            front.incoming(peer, {"accepted": True}, [])
+            front.outgoing(peer, [b"\x01" * BIG])
+        for _ in range(15):  # w2's big frames go on, never quiet for a period
+            await asyncio.sleep(0.02)
+            front.incoming(b"w2", {"taken": pairs[b"w2"].to_worker.head}, [])
+            front.outgoing(b"w2", [b"\x02" * BIG])
+        assert bytes(pairs[b"w1"].to_worker.view[:4]) == bytes(4)  # given back meanwhile
+        assert bytes(pairs[b"w2"].to_worker.view[:4]) != bytes(4)
         front.close()
 
     asyncio.run(main())

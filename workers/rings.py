@@ -267,6 +267,10 @@ def taken_out(ring: Ring, frames: Any, payloads: Sequence[Any]) -> list:
     """`payloads` with the empty frames that `frames` names replaced by their copies from `ring`."""
     payloads = list(payloads)
     try:
+        # Every frame of one message is in the ring at once: together they fit in it. More would
+        # make the receiver copy a ring's worth per frame named, for a message that costs nothing.
+        if sum(length for _, _, length in frames) > ring.size:
+            raise RingError(f"ring frames of more than the ring's {ring.size} bytes")
         for index, position, length in frames:
             if not isinstance(index, int) or index < 0 or payloads[index]:
                 raise RingError(f"payload {index!r} cannot come from the ring")
