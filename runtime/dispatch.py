@@ -82,6 +82,9 @@ class Dispatcher:
         on its worker until the worker answers (a busy worker is not idle),
         and WORKER_REQUEST_TIMEOUT_MS still ends a worker stuck in it.
         """
+        if not worker.alive:  # reaped while this call waited its turn: no reply would ever come
+            model.replicas.release(worker)
+            raise PeerGone(worker.exited.result() if worker.exited.done() else None)
         limit_ms = self.request_limit_ms
         return self.pool.submit_call(
             worker,

@@ -175,6 +175,26 @@ def test_a_call_as_the_model_is_unloaded_is_not_found():
     assert outcome.code is grpc.StatusCode.NOT_FOUND
 
 
+def test_a_call_whose_worker_is_reaped_before_its_turn_in_line_comes_fails_instead_of_waiting():
+    async def scenario():
+        worker = serving_worker()
+        model, pool = ready_model(worker), FakePool()
+        replicas = model.replicas
+        for _ in range(replicas.slots):
+            replicas.try_acquire()
+        call = asyncio.ensure_future(dispatcher_for(model, pool).call("m", "x/y", b"r", None))
+        await asyncio.sleep(0)
+        replicas.release(worker)  # its turn: the worker is handed to it...
+        worker.change_state(WorkerState.EXITED)  # ...and reaped before the call goes on
+        with pytest.raises(status.RpcError) as raised:
+            await asyncio.wait_for(call, 1)
+        return raised.value, pool, worker, replicas.slots
+
+    error, pool, worker, slots = run(scenario())
+    assert error.code is grpc.StatusCode.UNAVAILABLE
+    assert pool.sent == [] and worker.in_flight == slots - 1  # its slot given back, nothing sent
+
+
 def test_calls_waiting_in_line_count_as_unanswered_and_released_ones_do_not():
     async def scenario():
         worker = serving_worker()
