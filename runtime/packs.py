@@ -237,7 +237,10 @@ class Packs:
         try:
             return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
         except asyncio.CancelledError:
-            pack.abandoned = True  # the worker may still be loading it
+            # The worker may still be loading it: no other load goes there meanwhile (it would wait
+            # that load out), and the model's unload recycles the pack (_take_out).
+            pack.abandoned = True
+            pack.open = False
             raise
 
     async def _failed(self, pack: Pack, model: Model, reply: dict, left: int) -> tuple[dict, int]:

@@ -170,11 +170,10 @@ class WorkerPool:
         return await self._pack_operation(worker, protocol.OP_DROP, model_id=model_id)
 
     async def _pack_operation(self, worker: Worker, op: str, **fields) -> dict:
-        worker.pack_operations += 1  # its one thread is busy: not hung (runtime/heartbeat.py)
-        try:
-            reply, _ = await self.channel.request(worker.identity, op, **fields)
-        finally:
-            worker.pack_operations -= 1
+        # Its one thread is busy, so it is not hung (runtime/heartbeat.py), until it answers or dies,
+        # whether or not its caller still waits: a load given up on still runs in the pack.
+        worker.pack_operations += 1
+        reply, _ = await self.channel.submit(worker.identity, op, on_end=worker.end_pack_operation, **fields)
         return reply
 
     def submit_call(

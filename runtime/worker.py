@@ -122,6 +122,9 @@ class Worker:
     def model_id(self, model_id: str) -> None:
         self.models = {model_id}
 
+    def end_pack_operation(self) -> None:
+        self.pack_operations -= 1
+
     @property
     def alive(self) -> bool:
         return self.state is not WorkerState.EXITED

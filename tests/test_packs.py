@@ -169,6 +169,11 @@ def pack_pids(rt: Runtime) -> set[int]:
     return {p.pid for p in alive(rt.packs())}
 
 
+def pack_row(rt: Runtime, pid: int) -> dict:
+    """inspect-workers' row of the pack `pid`."""
+    return next(row for row in inspected(rt)["workers"] if row["pid"] == pid)
+
+
 def test_small_models_share_packs_each_answers_and_unloading_all_ends_them():
     with packed() as rt:
         first_guess = predicted_size(rt, "m0")
@@ -293,6 +298,39 @@ def test_a_cancelled_load_in_a_pack_recycles_it_and_the_survivor_serves_on():
         assert not psutil.pid_exists(old), "the pack that may still be loading it is reaped"
         assert answers(rt, "echo")
         assert old not in pack_pids(rt) and len(pack_pids(rt)) == 1
+
+
+def test_a_pack_still_running_a_load_given_up_on_is_not_taken_for_hung_while_it_is_recycled():
+    with packed(WORKER_HEARTBEAT_TIMEOUT_MS="300") as rt:
+        lagging = rt.model_dir("lagging", SLOW_WHEN_TOLD_MODEL)
+        rt.load("lagging", lagging)
+        (old,) = pack_pids(rt)
+        open(os.path.join(lagging, "slow"), "w").close()  # its move into a fresh pack takes 2 s
+        expect_status(
+            grpc.StatusCode.DEADLINE_EXCEEDED, rt.load, "slow", rt.model_dir("slow", SLOW_MODEL), timeout=0.5
+        )
+        rt.unload("slow")  # returns once the recycle that moves "lagging" is done
+        # The old pack ran the abandoned load all along, beating not once: its kill is the recycle's.
+        assert "hung" not in rt.log() and not psutil.pid_exists(old)
+        (fresh,) = pack_pids(rt)
+        assert answers(rt, "lagging")
+        assert [m["model"] for m in pack_row(rt, fresh)["models"]] == ["lagging"]
+
+
+def test_a_load_waiting_for_a_pack_whose_load_is_given_up_on_goes_to_another_pack():
+    with packed(WORKERS_WARM="0") as rt:
+        rt.load("first", rt.model_dir("first"))
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        slower = SLOW_MODEL.replace("time.sleep(3)", "time.sleep(8)")
+        given_up = pool.submit(rt.load, "slow", rt.model_dir("slow", slower), timeout=1)
+        wait_until(lambda: "loading slow" in rt.log(), timeout=5, what="the slow load under way")
+        waiting = pool.submit(rt.load, "next", rt.model_dir("next"), timeout=5)  # behind it, in line
+        with pytest.raises(grpc.RpcError):
+            given_up.result()
+        # The pack runs the abandoned load for seven more seconds: "next" goes elsewhere, not behind it.
+        assert waiting.result().sizeInBytes > 0 and answers(rt, "next")
+        rt.unload("slow")
+        assert answers(rt, "first") and answers(rt, "next")
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
