@@ -96,7 +96,9 @@ class Healer:
             await asyncio.sleep(
                 min(HEAL_BACKOFF_CAP_SECONDS, HEAL_BACKOFF_SECONDS * 2 ** (len(model.crashes) - 1))
             )
-            # Again: a pack recycled meanwhile may have moved the model into a fresh pack.
+            # Again: a pack that died as the model moved out of it (runtime/repacking.py) may have
+            # moved it into another, which gave it its replica back.
+            await self.packs.move_ended(model)
             if model.state is not ModelState.READY or len(model.workers) >= self.settings.model_replicas:
                 return
             if model.packed:
@@ -163,6 +165,9 @@ class Healer:
             pass
         finally:
             self.pool.replenish()
+        if reply["ok"] and len(model.workers) >= self.settings.model_replicas:
+            await self.packs.remove(model, keep=model.workers)  # a move gave it its replicas meanwhile
+            return
         if reply["ok"] and worker is not None and worker.serving and model.ready:
             model.workers.append(worker)
             model.replicas.add(worker)

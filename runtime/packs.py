@@ -291,6 +291,10 @@ class Packs:
                     pack.members.pop(model.model_id, None)
             await self._repacker.compact(pack.format_name)
 
+    async def move_ended(self, model: Model) -> None:
+        """Returns once no recycle or compaction is moving the model."""
+        await self._repacker.move_ended(model)
+
     async def compact_all(self, format_name: str) -> None:
         """Compacts the format's packs until their free places no longer hold a whole pack's models.
 

@@ -14,7 +14,9 @@ waits behind a load in the fresh pack while the old one is idle. Calls
 already sent finish in the old pack, which is killed once it has answered
 them (or DRAIN_SECONDS passed), and reaped, before the unload that set it
 off returns. A model that does not move stays with the old pack and
-heals once it is killed.
+heals once it is killed. A pack that dies while its models move out loses
+them to healing, which waits for the move: a model the move has given back
+its replica by then heals no further.
 
 A move, once begun, runs to its end even if the task that began it is
 cancelled (a load given up, a heal stopped by an unload): cut short, it would
@@ -28,9 +30,10 @@ once the recycle is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from runtime import memory, status
@@ -64,6 +67,28 @@ class Repacker:
         self.packs = packs
         self._on_recycle = on_recycle
         self._compacting: set[str] = set()  # formats whose emptiest pack is moving into the others
+        self._moves: dict[str, list[asyncio.Future]] = {}  # model id -> each of its moves, done at its end
+
+    async def move_ended(self, model: Model) -> None:
+        """Returns once no move of the model is under way."""
+        for end in list(self._moves.get(model.model_id, ())):
+            await asyncio.shield(end)
+
+    @contextlib.contextmanager
+    def _moving(self, models: list[Model]) -> Iterator[None]:
+        """Marks the models' moves under way while the block runs (move_ended() waits for them)."""
+        loop = asyncio.get_running_loop()
+        ends = [(m.model_id, loop.create_future()) for m in models]
+        for model_id, end in ends:
+            self._moves.setdefault(model_id, []).append(end)
+        try:
+            yield
+        finally:
+            for model_id, end in ends:
+                self._moves[model_id].remove(end)
+                if not self._moves[model_id]:
+                    del self._moves[model_id]
+                end.set_result(None)
 
     async def recycle(self, pack: Pack, reason: str) -> None:
         """Holding the pack's lock: a fresh pack loads the survivors, the old one goes (to the end,
@@ -79,7 +104,8 @@ class Repacker:
             if model_id in pack.charged and m.ready and pack.worker in m.workers
         ]
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
-        moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
+        with self._moving(survivors):
+            moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
         await self._end(pack, reason, started, moved)
 
     async def compact(self, format_name: str) -> bool:
@@ -113,7 +139,7 @@ class Repacker:
         compaction end their new pack again."""
         free = {id(p): self.packs.settings.models_per_worker - len(p.members) for p in others}
         for model in emptiest.members.values():
-            fits = [p for p in others if free[id(p)] > 0 and p.worker not in model.workers]
+            fits = [p for p in others if free[id(p)] > 0 and _may_take(p, model)]
             if not fits:
                 return False
             free[id(max(fits, key=lambda p: len(p.members)))] -= 1
@@ -165,29 +191,32 @@ class Repacker:
         emptiest.open = False
         movers = [m for model_id, m in emptiest.members.items() if model_id in emptiest.charged and m.ready]
         moved = 0
-        for model in movers:
-            target = self._room_for(model, others)
-            if target is None:
-                continue
-            try:
-                async with target.lock:
-                    if (
-                        target.open
-                        and target.worker.serving
-                        and await self._load_moved(model, emptiest, target)
-                    ):
-                        moved += self._switch_all([model], emptiest, target)
-            except PeerGone:
-                log.error("pack %r died while %s moved in", target.worker, model.model_id)
+        with self._moving(movers):
+            for model in movers:
+                moved += await self._into_other(model, emptiest, others)
         reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
         log.info("%r %s", emptiest.worker, reason)
         await self._end(emptiest, reason, started, moved)
         return moved
 
+    async def _into_other(self, model: Model, emptiest: Pack, others: list[Pack]) -> int:
+        """Moves one model of `emptiest` into the fullest of `others` with room; 1 if it moved."""
+        target = self._room_for(model, others)
+        if target is None:
+            return 0
+        try:
+            async with target.lock:  # a heal may have placed the model there meanwhile: look again
+                if target.open and target.worker.serving and _may_take(target, model):
+                    if await self._load_moved(model, emptiest, target):
+                        return self._switch_all([model], emptiest, target)
+        except PeerGone:
+            log.error("pack %r died while %s moved in", target.worker, model.model_id)
+        return 0
+
     def _room_for(self, model: Model, others: list[Pack]) -> Pack | None:
         """The fullest of `others` with a free place and no replica of the model."""
         room = self.packs.settings.models_per_worker
-        fits = [p for p in others if p.open and len(p.members) < room and p.worker not in model.workers]
+        fits = [p for p in others if p.open and len(p.members) < room and _may_take(p, model)]
         return max(fits, key=lambda p: len(p.members), default=None)
 
     async def _load_moved(self, model: Model, source: Pack, target: Pack) -> bool:
@@ -195,16 +224,15 @@ class Repacker:
         was charged; whether it loaded. Its calls still go to `source` (_switch_all). One
         unloaded meanwhile stays a member: its unload, waiting its turn, drops it."""
         model_id = model.model_id
+        charges = _charges(source, [model])  # now: if `source` dies meanwhile, it forgets them
         target.members[model_id] = model
         before = memory.anonymous(target.worker.pid)
         reply = await self.packs.send_load(target, model)
         if not reply["ok"]:
             self._not_moved(model, target, reply)
             return False
+        _move_charges(charges, source, target, [model])
         target.grown[model_id] = max(0, memory.anonymous(target.worker.pid) - before)
-        target.charged[model_id] = source.charged.pop(model_id, 0)
-        target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
-        source.grown.pop(model_id, None)
         return True
 
     async def _load_all_moved(self, models: list[Model], source: Pack, target: Pack) -> list[Model]:
@@ -219,6 +247,7 @@ class Repacker:
         added in `source`, scaled down if `target` grew by less in all: what `target` grew by also
         holds what its first load wrote for all (imports, first-use caches), which no drop gives
         back, so it is not shared among them; it is in the pack's base, measured once they are in."""
+        charges = _charges(source, models)  # now: if `source` dies meanwhile, it forgets them
         for model in models:
             target.members[model.model_id] = model
         before = memory.anonymous(target.worker.pid)
@@ -253,17 +282,14 @@ class Repacker:
                 loaded.append(model)
             else:
                 self._not_moved(model, target, reply)
-        added_in_source = {m.model_id: source.grown.pop(m.model_id, 0) for m in loaded}
-        total_added = sum(added_in_source.values())
+        _move_charges(charges, source, target, loaded)
+        total_added = sum(target.grown[m.model_id] for m in loaded)
         # What each added in `source`, never more in all than `target` grew by. Not a share of
         # that growth: it also holds what a fresh pack's first load writes for all, which no
         # model's drop gives back (its base, measured after).
         scale = min(1.0, grown / total_added) if total_added else 0.0
         for model in loaded:
-            model_id = model.model_id
-            target.grown[model_id] = int(added_in_source[model_id] * scale)
-            target.charged[model_id] = source.charged.pop(model_id, 0)
-            target.growth_charged[model_id] = source.growth_charged.pop(model_id, 0)
+            target.grown[model.model_id] = int(target.grown[model.model_id] * scale)
         return loaded
 
     @staticmethod
@@ -277,7 +303,8 @@ class Repacker:
     @staticmethod
     def _switch_all(models: list[Model], source: Pack, target: Pack) -> int:
         """Moves the calls of `models`, loaded in `target`, there; how many moved. Calls go on to
-        `source` until all of them are loaded: `target` answers none while it loads."""
+        `source` until all of them are loaded: `target` answers none while it loads. Where `source`
+        died meanwhile, the move gives its models back the replica its death took."""
         moved = [m for m in models if target.worker.serving and m.ready]
         for model in moved:
             switch(model, source.worker, target.worker)
@@ -326,9 +353,35 @@ async def to_the_end(work: Awaitable[T]) -> T:
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:
-    """The model's calls go to `new` from now on; those sent to `old` finish there."""
+    """The model's calls go to `new` from now on; those sent to `old` finish there (if it lives)."""
     if old in model.workers:
         model.workers.remove(old)
     model.workers.append(new)
     model.replicas.add(new)
     model.replicas.remove(old)
+
+
+def _may_take(pack: Pack, model: Model) -> bool:
+    """Whether a model may move into `pack`: neither a replica of it nor a load of it (a heal's) is there."""
+    return pack.worker not in model.workers and model.model_id not in pack.members
+
+
+def _charges(pack: Pack, models: list[Model]) -> dict[str, tuple[int, int, int]]:
+    """What each model is charged in `pack`: (its size, the part that is growth, what its load added)."""
+    return {
+        m.model_id: (
+            pack.charged.get(m.model_id, 0),
+            pack.growth_charged.get(m.model_id, 0),
+            pack.grown.get(m.model_id, 0),
+        )
+        for m in models
+    }
+
+
+def _move_charges(charges: dict, source: Pack, target: Pack, models: list[Model]) -> None:
+    """The models' charges, as they were in `source` when their move began, are `target`'s now."""
+    for model in models:
+        model_id = model.model_id
+        target.charged[model_id], target.growth_charged[model_id], target.grown[model_id] = charges[model_id]
+        for charged in (source.charged, source.growth_charged, source.grown):
+            charged.pop(model_id, None)

@@ -120,6 +120,21 @@ SLOW_WHEN_TOLD_MODEL = """
             return dict(inputs)
 """
 
+# Its first load once a file named "slow" is in its folder takes two seconds; the next ones do not.
+SLOW_ONCE_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            told = os.path.join(path, "slow")
+            if os.path.exists(told):
+                os.remove(told)
+                time.sleep(2)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
 SLOW_MODEL = """
     import time
@@ -331,6 +346,22 @@ def test_a_load_waiting_for_a_pack_whose_load_is_given_up_on_goes_to_another_pac
         assert waiting.result().sizeInBytes > 0 and answers(rt, "next")
         rt.unload("slow")
         assert answers(rt, "first") and answers(rt, "next")
+
+
+def test_a_pack_that_dies_while_its_models_move_out_leaves_each_of_them_in_one_pack_charged_once():
+    with packed() as rt:
+        lagging = rt.model_dir("lagging", SLOW_ONCE_MODEL)
+        size = rt.load("lagging", lagging).sizeInBytes
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        (old,) = pack_pids(rt)
+        open(os.path.join(lagging, "slow"), "w").close()  # its move takes 2 s; a load after it, not
+        unloading = concurrent.futures.ThreadPoolExecutor(1).submit(rt.unload, "leaky")  # a recycle
+        wait_until(lambda: "recycling" in rt.log(), timeout=20, what="the recycle under way")
+        os.kill(old, signal.SIGKILL)  # while "lagging" loads in the fresh pack
+        unloading.result(timeout=30)
+        assert answers(rt, "lagging")
+        holding = [row for row in inspected(rt)["workers"] if row["role"] == "pack"]
+        assert [[(m["model"], m["bytes"]) for m in row["models"]] for row in holding] == [[("lagging", size)]]
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
