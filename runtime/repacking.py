@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from runtime import memory, status
 from runtime.channel import PeerGone
-from runtime.model import Model
+from runtime.model import Model, ModelState
 from runtime.worker import KillCause, Worker
 from workers import formats
 
@@ -54,6 +54,8 @@ DRAIN_SECONDS = 10.0
 # so the pack does not idle for a round trip of the front's between loads; more would only make a
 # longer burst of loading for the calls going on to get through.
 LOADS_AHEAD_ON_MAIN_THREAD = 2
+# The states of a model whose place in a pack moves with the pack's other models.
+_MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 # How often the drain looks: the unload that set the recycle off waits for it, so it should end
 # not much later than the last call it waits for.
 DRAIN_CHECK_SECONDS = 0.001
@@ -98,11 +100,7 @@ class Repacker:
     async def _recycle(self, pack: Pack, reason: str) -> None:
         started = time.monotonic()
         pack.open = False
-        survivors = [
-            m
-            for model_id, m in pack.members.items()
-            if model_id in pack.charged and m.ready and pack.worker in m.workers
-        ]
+        survivors = [m for m in pack.members.values() if _moves_with(pack, m)]
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
         with self._moving(survivors):
             moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
@@ -189,7 +187,7 @@ class Repacker:
         moved."""
         started = time.monotonic()
         emptiest.open = False
-        movers = [m for model_id, m in emptiest.members.items() if model_id in emptiest.charged and m.ready]
+        movers = [m for m in emptiest.members.values() if _moves_with(emptiest, m)]
         moved = 0
         with self._moving(movers):
             for model in movers:
@@ -305,7 +303,7 @@ class Repacker:
         """Moves the calls of `models`, loaded in `target`, there; how many moved. Calls go on to
         `source` until all of them are loaded: `target` answers none while it loads. Where `source`
         died meanwhile, the move gives its models back the replica its death took."""
-        moved = [m for m in models if target.worker.serving and m.ready]
+        moved = [m for m in models if target.worker.serving and m.state in _MOVING_STATES]
         for model in moved:
             switch(model, source.worker, target.worker)
         return len(moved)
@@ -354,11 +352,21 @@ async def to_the_end(work: Awaitable[T]) -> T:
 
 def switch(model: Model, old: Worker, new: Worker) -> None:
     """The model's calls go to `new` from now on; those sent to `old` finish there (if it lives)."""
+    if model.state is ModelState.LOADING:  # its other replicas still load: none takes calls yet
+        if old in model.workers:
+            model.workers[model.workers.index(old)] = new
+        return
     if old in model.workers:
         model.workers.remove(old)
     model.workers.append(new)
     model.replicas.add(new)
     model.replicas.remove(old)
+
+
+def _moves_with(pack: Pack, model: Model) -> bool:
+    """Whether a member of `pack` moves when it is recycled or compacted: one loaded there, whether
+    the model is ready or still loads its other replicas (left behind, it would go with the pack)."""
+    return model.model_id in pack.charged and pack.worker in model.workers and model.state in _MOVING_STATES
 
 
 def _may_take(pack: Pack, model: Model) -> bool:

@@ -135,6 +135,21 @@ SLOW_ONCE_MODEL = """
             return dict(inputs)
 """
 
+# Every load of it but the first takes a second: the second replica's, and a move's.
+SLOW_AFTER_FIRST_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            marker = os.path.join(path, "loaded-once")
+            if os.path.exists(marker):
+                time.sleep(1)
+            open(marker, "w").close()
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
 SLOW_MODEL = """
     import time
@@ -362,6 +377,19 @@ def test_a_pack_that_dies_while_its_models_move_out_leaves_each_of_them_in_one_p
         assert answers(rt, "lagging")
         holding = [row for row in inspected(rt)["workers"] if row["role"] == "pack"]
         assert [[(m["model"], m["bytes"]) for m in row["models"]] for row in holding] == [[("lagging", size)]]
+
+
+def test_a_model_still_loading_its_second_replica_moves_with_the_pack_of_its_first():
+    with packed(MODEL_REPLICAS="2", WORKERS_WARM="2") as rt:
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))  # two packs
+        path = rt.model_dir("x", SLOW_AFTER_FIRST_MODEL)
+        loading = concurrent.futures.ThreadPoolExecutor(1).submit(rt.load, "x", path)
+        first = os.path.join(path, "loaded-once")
+        wait_until(lambda: os.path.exists(first), timeout=10, what="x's first replica loaded")
+        rt.unload("leaky")  # recycles the pack of x's first replica while its second loads
+        assert loading.result(timeout=30).sizeInBytes > 0 and answers(rt, "x")
+        rows = inspected(rt)["workers"]
+        assert len([row for row in rows if any(m["model"] == "x" for m in row.get("models", []))]) == 2
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
