@@ -74,6 +74,8 @@ PACKED_PREDICTION_MIN_BYTES = 256 * 1024
 PREDICTED_BASE_PER_FLOOR = 2
 # Packs of one format taking models at once: model-mesh loads two models at a time by default.
 FILLING_PACKS_MAX = 2
+# How often an unload looks whether the model's last calls in its pack are answered.
+CALLS_CHECK_SECONDS = 0.001
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
 
@@ -320,6 +322,8 @@ class Packs:
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
         worker = pack.worker
+        if self.settings.worker_threads > 1:  # its calls run on threads beside the drop, which closes it
+            await _answered(worker, model_id)
         before = memory.anonymous(worker.pid)
         try:
             await self.pool.send_drop(worker, model_id)
@@ -347,6 +351,12 @@ class Packs:
         pack.charged.clear()
         pack.growth_charged.clear()
         return models
+
+
+async def _answered(worker: Worker, model_id: str) -> None:
+    """Returns once the worker has answered every call of the model it was sent (or died)."""
+    while worker.calls.get(model_id) and worker.alive:
+        await asyncio.sleep(CALLS_CHECK_SECONDS)
 
 
 def blamed(models: list[Model], worker: Worker) -> list[Model]:

@@ -204,7 +204,8 @@ class Repacker:
             return 0
         try:
             async with target.lock:  # a heal may have placed the model there meanwhile: look again
-                if target.open and target.worker.serving and _may_take(target, model):
+                room = len(target.members) < self.packs.settings.models_per_worker
+                if room and target.open and target.worker.serving and _may_take(target, model):
                     if await self._load_moved(model, emptiest, target):
                         return self._switch_all([model], emptiest, target)
         except PeerGone:

@@ -150,6 +150,24 @@ SLOW_AFTER_FIRST_MODEL = """
             return dict(inputs)
 """
 
+# A model that fails a call if it is closed while the call runs.
+CLOSE_AFTER_CALLS_MODEL = """
+    import time
+
+    class Model:
+        def __init__(self, path):
+            self.closed = False
+
+        def predict(self, inputs):
+            time.sleep(1)
+            if self.closed:
+                raise RuntimeError("closed under a call")
+            return dict(inputs)
+
+        def close(self):
+            self.closed = True
+"""
+
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
 SLOW_MODEL = """
     import time
@@ -197,6 +215,14 @@ def inspected(rt: Runtime) -> dict:
 
 def pack_pids(rt: Runtime) -> set[int]:
     return {p.pid for p in alive(rt.packs())}
+
+
+def busy_in(rt: Runtime, model_id: str) -> bool:
+    """Whether inspect-workers shows a call in flight in the model's pack."""
+    return any(
+        row["in_flight"] > 0 and model_id in [m["model"] for m in row.get("models", [])]
+        for row in inspected(rt)["workers"]
+    )
 
 
 def pack_row(rt: Runtime, pid: int) -> dict:
@@ -390,6 +416,17 @@ def test_a_model_still_loading_its_second_replica_moves_with_the_pack_of_its_fir
         assert loading.result(timeout=30).sizeInBytes > 0 and answers(rt, "x")
         rows = inspected(rt)["workers"]
         assert len([row for row in rows if any(m["model"] == "x" for m in row.get("models", []))]) == 2
+
+
+def test_with_calls_on_threads_an_unload_waits_for_the_models_calls_before_its_pack_drops_it():
+    with packed(WORKER_THREADS="2") as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        rt.load("busy", rt.model_dir("busy", CLOSE_AFTER_CALLS_MODEL))
+        call = concurrent.futures.ThreadPoolExecutor(1).submit(answers, rt, "busy")
+        wait_until(lambda: busy_in(rt, "busy"), timeout=10, what="the call under way in the pack")
+        rt.unload("busy")
+        assert call.result(timeout=10), "the call ran to its end before the model was closed"
+        assert answers(rt, "neighbour")
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():

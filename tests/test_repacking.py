@@ -32,6 +32,7 @@ class StandInPool:
 
     def __init__(self):
         self.killed: list[StandInWorker] = []
+        self.loading: list[str] = []  # each load sent, in order
 
     def spares(self):
         return []
@@ -40,6 +41,7 @@ class StandInPool:
         pass
 
     async def send_load(self, worker, model_id, format_name, path, pack=False):
+        self.loading.append(model_id)
         await asyncio.sleep(0.01)
         worker.models.add(model_id)
         if model_id in worker.held:
@@ -126,3 +128,32 @@ def test_a_compaction_does_not_move_a_model_into_a_pack_a_heal_is_loading_it_int
     }
     # Unloading "healed" dropped it from the pack; unloading the pack's last model ended it.
     assert "healed" not in target.worker.held and target.worker in pool.killed
+
+
+def test_a_compaction_that_waited_for_its_target_moves_nothing_into_it_once_it_is_full(monkeypatch):
+    monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
+    monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 1000)
+
+    async def scenario():
+        pool = StandInPool()
+        pack_set = packs.Packs(Settings.from_env({"MODELS_PER_WORKER": "6"}), pool)
+        emptiest = pack_set.new_pack(StandInWorker("E"), "python")
+        target = pack_set.new_pack(StandInWorker("T"), "python")
+        emptiest.base_bytes = target.base_bytes = 1
+        holding(emptiest, ready_model("m1"), ready_model("m2"))
+        holding(target, *(ready_model(f"t{i}") for i in range(3)))
+        compaction = asyncio.create_task(pack_set.compact_all("python"))
+        await until(lambda: "m1" in pool.loading)  # m1 moves into the target's fourth place
+        loads = [asyncio.create_task(pack_set.load(ready_model("a"), avoid=[]))]  # the fifth, after m1
+        # Once "a" loads, the compaction has found the sixth place free for m2 and waits its turn.
+        await until(lambda: "a" in pool.loading)
+        loads.append(asyncio.create_task(pack_set.load(ready_model("b"), avoid=[])))  # the sixth
+        await asyncio.gather(compaction, *loads)
+        return sorted(target.members)
+
+    assert asyncio.run(scenario()) == ["a", "b", "m1", "t0", "t1", "t2"]  # six places, m2 not in
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
