@@ -11,7 +11,8 @@ places it elsewhere.
 A pack's death (runtime/packs.py) hits every model in it: each heals into
 another pack, and the crash counts against the models that had calls in it
 (all of them when none had), so a model that crashes its packs is dropped
-and its neighbours are not.
+and its neighbours are not. A pack the front ended for a recycle counts
+against none of the models left in it (those that could not move).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Healer:
             members = [model] if model is not None else []
         # A loading model learns of the death from its pending load request.
         hit = [m for m in members if m.state is ModelState.READY and worker in m.workers]
-        blamed = blamed_models(hit, worker)
+        # A recycled pack's models that did not move are not to blame for its end.
+        blamed = [] if worker.kill_cause is KillCause.RECYCLED else blamed_models(hit, worker)
         for model in hit:
             self._lose_worker(model, worker, exit_code, model in blamed)
 
