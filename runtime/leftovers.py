@@ -33,15 +33,22 @@ class ProcessRegistry:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
 
     def add(self, pid: int) -> None:
+        """Records a process just started. One that cannot be recorded (a full disk) runs on all the
+        same, watched by the front, and watching it: raising here would leave it unwatched."""
         try:
             started = psutil.Process(pid).create_time()
         except psutil.NoSuchProcess:
             return
-        fd = os.open(
-            os.path.join(self.folder, str(pid)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS, 0o600
-        )
-        with open(fd, "w") as record:
-            record.write(repr(started))
+        path = os.path.join(self.folder, str(pid))
+        try:
+            with open(
+                os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS, 0o600), "w"
+            ) as record:
+                record.write(repr(started))
+        except OSError as error:
+            log.warning(
+                "pid %d is not recorded in %s (%s): a later front cannot clean it up", pid, path, error
+            )
 
     def remove(self, pid: int) -> None:
         try:

@@ -237,6 +237,14 @@ def test_a_planted_lock_symlink_is_replaced_not_followed(tmp_path, run_dir, capl
 # -- titles and the purge ------------------------------------------------------------
 
 
+def test_a_process_that_cannot_be_recorded_costs_a_warning_not_the_process(run_dir, caplog):
+    registry = ProcessRegistry(run_dir)
+    shutil.rmtree(registry.folder)
+    open(registry.folder, "w").close()  # where the records go, a file: every record fails
+    registry.add(os.getpid())
+    assert f"pid {os.getpid()} is not recorded" in caplog.text
+
+
 def test_a_title_names_its_runtime_dir_last_so_a_model_id_cannot_claim_another():
     assert titles.title("worker spare", "/run/a") == "mesh-runtime worker spare dir=/run/a"
     assert titles.is_runtime_process_of(["mesh-runtime forkserver dir=/run/a", "", ""], "/run/a")
