@@ -418,8 +418,9 @@ def test_a_model_still_loading_its_second_replica_moves_with_the_pack_of_its_fir
         assert len([row for row in rows if any(m["model"] == "x" for m in row.get("models", []))]) == 2
 
 
-def test_with_calls_on_threads_an_unload_waits_for_the_models_calls_before_its_pack_drops_it():
-    with packed(WORKER_THREADS="2") as rt:
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_an_unload_lets_the_pack_answer_the_models_calls_before_it_drops_the_model(threads):
+    with packed(WORKER_THREADS=threads) as rt:
         rt.load("neighbour", rt.model_dir("neighbour"))
         rt.load("busy", rt.model_dir("busy", CLOSE_AFTER_CALLS_MODEL))
         call = concurrent.futures.ThreadPoolExecutor(1).submit(answers, rt, "busy")
