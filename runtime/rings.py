@@ -154,8 +154,11 @@ class FrontRings:
                 self._can_give_back = False
                 self._used.clear()
                 return
-        if self._used:  # look again when the next one goes quiet (a busy one: a period on)
-            wait = max(QUIET_SECONDS - (now - min(self._used.values())), QUIET_SECONDS / 10)
+        if self._used:  # look again when the next one goes quiet, or a period on (busy ones)
+            quiet_in = [
+                QUIET_SECONDS - (now - used) for used in self._used.values() if now - used < QUIET_SECONDS
+            ]
+            wait = min(quiet_in, default=QUIET_SECONDS)
             self._give_back_timer = asyncio.get_running_loop().call_later(wait, self._give_back)
 
 

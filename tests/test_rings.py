@@ -198,18 +198,41 @@ def test_an_answer_that_is_not_plainly_accepted_counts_as_a_refusal(answer):
     front.close()
 
 
-def test_frames_that_add_up_to_more_than_the_ring_are_refused_before_any_copy():
+@pytest.mark.parametrize(
+    "lengths",
+    [[4 * BIG] * 3, [4 * BIG, 4 * BIG, -4 * BIG], [BIG, -BIG, 4 * BIG]],
+    ids=["whole-ring-frames", "a-negative-length-to-balance-them", "a-negative-length-first"],
+)
+def test_a_message_never_has_more_than_a_ring_copied_out_of_the_ring(lengths):
     front = FrontRings(4 * BIG, is_busy=lambda peer: False)
     front_sends(front, [bytes(BIG)])
     front.incoming(PEER, {"accepted": True}, [])
     copies = []
     ring = front._pairs[PEER].to_front
     ring.take = lambda position, length: copies.append(length) or b"x"  # type: ignore[method-assign]
-    whole_ring = [[index, index * 4 * BIG, 4 * BIG] for index in range(3)]
+    frames = [[index, index * 4 * BIG, length] for index, length in enumerate(lengths)]
     with pytest.raises(RingError):
-        front.incoming(PEER, {"frames": whole_ring}, [b"", b"", b""])
-    assert copies == []
+        front.incoming(PEER, {"frames": frames}, [b""] * len(frames))
+    assert sum(copies) <= 4 * BIG and all(length >= 0 for length in copies)
     front.close()
+
+
+def test_while_a_worker_holds_calls_its_ring_is_looked_at_once_a_period_not_more(monkeypatch):
+    monkeypatch.setattr(front_rings, "QUIET_SECONDS", 0.05)
+
+    async def main():
+        front = FrontRings(4 * BIG, is_busy=lambda peer: True)
+        front.outgoing(PEER, [bytes(BIG)])
+        front.incoming(PEER, {"accepted": True}, [])
+        front.outgoing(PEER, [bytes(BIG)])
+        looks = []
+        give_back = front._give_back
+        front._give_back = lambda: looks.append(1) or give_back()  # type: ignore[method-assign]
+        await asyncio.sleep(0.5)  # ten periods
+        front.close()
+        return len(looks)
+
+    assert asyncio.run(main()) <= 11
 
 
 def open_fds() -> int:

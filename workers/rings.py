@@ -266,14 +266,16 @@ def apply(field: dict, sending: Ring | None, receiving: Ring | None, payloads: l
 def taken_out(ring: Ring, frames: Any, payloads: Sequence[Any]) -> list:
     """`payloads` with the empty frames that `frames` names replaced by their copies from `ring`."""
     payloads = list(payloads)
+    # Every frame of one message is in the ring at once: together they fit in it. More would make
+    # the receiver copy a ring's worth per frame named, for a message that costs nothing.
+    room = ring.size
     try:
-        # Every frame of one message is in the ring at once: together they fit in it. More would
-        # make the receiver copy a ring's worth per frame named, for a message that costs nothing.
-        if sum(length for _, _, length in frames) > ring.size:
-            raise RingError(f"ring frames of more than the ring's {ring.size} bytes")
         for index, position, length in frames:
             if not isinstance(index, int) or index < 0 or payloads[index]:
                 raise RingError(f"payload {index!r} cannot come from the ring")
+            if not isinstance(length, int) or not 0 <= length <= room:
+                raise RingError(f"a frame of {length!r} bytes, with {room} of the ring left for them")
+            room -= length
             payloads[index] = ring.take(position, length)
     except (TypeError, ValueError, IndexError) as error:  # RingError is a ValueError
         raise RingError(f"ring frames {frames!r}: {error}") from None
