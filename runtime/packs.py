@@ -74,7 +74,9 @@ PACKED_PREDICTION_MIN_BYTES = 256 * 1024
 PREDICTED_BASE_PER_FLOOR = 2
 # Packs of one format taking models at once: model-mesh loads two models at a time by default.
 FILLING_PACKS_MAX = 2
-# How often an unload looks whether the model's last calls in its pack are answered.
+# How long an unload lets the model's calls under way in its pack run before it drops the model
+# (as long as a worker of its own gets between SIGTERM and SIGKILL), and how often it looks.
+CALLS_GRACE_SECONDS = 2.0
 CALLS_CHECK_SECONDS = 0.001
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
@@ -287,6 +289,8 @@ class Packs:
             if pack is None:
                 return
             async with pack.lock:
+                if pack.worker in keep:  # a move switched the model's calls there meanwhile: it stays
+                    continue
                 if model.model_id in pack.members and pack in self._packs.values():
                     await self._take_out(pack, model)
                 else:
@@ -322,8 +326,11 @@ class Packs:
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
         worker = pack.worker
-        if self.settings.worker_threads > 1:  # its calls run on threads beside the drop, which closes it
-            await _answered(worker, model_id)
+        # Its calls run on threads beside the drop, which would close the model under them. A call
+        # that runs on past the grace is ended with the pack (a worker of its own is killed then).
+        if self.settings.worker_threads > 1 and not await _answered(worker, model_id, CALLS_GRACE_SECONDS):
+            await self._repacker.recycle(pack, f"calls of {model_id} ran on past its unload")
+            return
         before = memory.anonymous(worker.pid)
         try:
             await self.pool.send_drop(worker, model_id)
@@ -353,10 +360,14 @@ class Packs:
         return models
 
 
-async def _answered(worker: Worker, model_id: str) -> None:
-    """Returns once the worker has answered every call of the model it was sent (or died)."""
+async def _answered(worker: Worker, model_id: str, within: float) -> bool:
+    """Whether the worker answers every call of the model it was sent (or dies) within `within` s."""
+    deadline = time.monotonic() + within
     while worker.calls.get(model_id) and worker.alive:
+        if time.monotonic() > deadline:
+            return False
         await asyncio.sleep(CALLS_CHECK_SECONDS)
+    return True
 
 
 def blamed(models: list[Model], worker: Worker) -> list[Model]:

@@ -61,6 +61,9 @@ _MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 DRAIN_CHECK_SECONDS = 0.001
 
 T = TypeVar("T")
+# What each model moving is charged in the pack it leaves: (its size, the part that is growth, what
+# its load added), by model id.
+Charges = dict[str, tuple[int, int, int]]
 
 
 class Repacker:
@@ -101,9 +104,10 @@ class Repacker:
         started = time.monotonic()
         pack.open = False
         survivors = [m for m in pack.members.values() if _moves_with(pack, m)]
+        charges = _charges(pack, survivors)  # as they are now: a pack that dies forgets them
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
         with self._moving(survivors):
-            moved = await self._into_fresh_pack(survivors, pack) if survivors else 0
+            moved = await self._into_fresh_pack(survivors, pack, charges) if survivors else 0
         await self._end(pack, reason, started, moved)
 
     async def compact(self, format_name: str) -> bool:
@@ -143,7 +147,7 @@ class Repacker:
             free[id(max(fits, key=lambda p: len(p.members)))] -= 1
         return True
 
-    async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack) -> int:
+    async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack, charges: Charges) -> int:
         """Loads the survivors into a fresh pack and moves their calls to it; how many moved.
 
         No spare is forked meanwhile (on two cores a fork slows the survivors' calls): the old
@@ -159,7 +163,7 @@ class Repacker:
         loaded: list[Model] = []
         try:
             async with fresh.lock:
-                loaded = await self._load_all_moved(survivors, old_pack, fresh)
+                loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
                 if not loaded:
                     await self._abandon(fresh, "the survivors did not load in it")
                     return 0
@@ -188,25 +192,26 @@ class Repacker:
         started = time.monotonic()
         emptiest.open = False
         movers = [m for m in emptiest.members.values() if _moves_with(emptiest, m)]
+        charges = _charges(emptiest, movers)  # as they are now: a pack that dies forgets them
         moved = 0
         with self._moving(movers):
             for model in movers:
-                moved += await self._into_other(model, emptiest, others)
+                moved += await self._into_other(model, emptiest, others, charges)
         reason = f"compacted: {moved} of its {len(movers)} models moved into other packs"
         log.info("%r %s", emptiest.worker, reason)
         await self._end(emptiest, reason, started, moved)
         return moved
 
-    async def _into_other(self, model: Model, emptiest: Pack, others: list[Pack]) -> int:
+    async def _into_other(self, model: Model, emptiest: Pack, others: list[Pack], charges: Charges) -> int:
         """Moves one model of `emptiest` into the fullest of `others` with room; 1 if it moved."""
         target = self._room_for(model, others)
-        if target is None:
+        if target is None or model.state not in _MOVING_STATES:  # unloaded meanwhile: it stays to go
             return 0
         try:
             async with target.lock:  # a heal may have placed the model there meanwhile: look again
                 room = len(target.members) < self.packs.settings.models_per_worker
                 if room and target.open and target.worker.serving and _may_take(target, model):
-                    if await self._load_moved(model, emptiest, target):
+                    if await self._load_moved(model, emptiest, target, charges):
                         return self._switch_all([model], emptiest, target)
         except PeerGone:
             log.error("pack %r died while %s moved in", target.worker, model.model_id)
@@ -218,12 +223,11 @@ class Repacker:
         fits = [p for p in others if p.open and len(p.members) < room and _may_take(p, model)]
         return max(fits, key=lambda p: len(p.members), default=None)
 
-    async def _load_moved(self, model: Model, source: Pack, target: Pack) -> bool:
+    async def _load_moved(self, model: Model, source: Pack, target: Pack, charges: Charges) -> bool:
         """Holding the target's lock: loads a model of `source` into `target` with the size it
         was charged; whether it loaded. Its calls still go to `source` (_switch_all). One
         unloaded meanwhile stays a member: its unload, waiting its turn, drops it."""
         model_id = model.model_id
-        charges = _charges(source, [model])  # now: if `source` dies meanwhile, it forgets them
         target.members[model_id] = model
         before = memory.anonymous(target.worker.pid)
         reply = await self.packs.send_load(target, model)
@@ -234,7 +238,9 @@ class Repacker:
         target.grown[model_id] = max(0, memory.anonymous(target.worker.pid) - before)
         return True
 
-    async def _load_all_moved(self, models: list[Model], source: Pack, target: Pack) -> list[Model]:
+    async def _load_all_moved(
+        self, models: list[Model], source: Pack, target: Pack, charges: Charges
+    ) -> list[Model]:
         """Holding the target's lock: loads `models` of `source` into `target`, with the sizes they
         were charged; those that loaded. Their calls still go to `source` (_switch_all).
 
@@ -246,7 +252,6 @@ class Repacker:
         added in `source`, scaled down if `target` grew by less in all: what `target` grew by also
         holds what its first load wrote for all (imports, first-use caches), which no drop gives
         back, so it is not shared among them; it is in the pack's base, measured once they are in."""
-        charges = _charges(source, models)  # now: if `source` dies meanwhile, it forgets them
         for model in models:
             target.members[model.model_id] = model
         before = memory.anonymous(target.worker.pid)
@@ -375,19 +380,13 @@ def _may_take(pack: Pack, model: Model) -> bool:
     return pack.worker not in model.workers and model.model_id not in pack.members
 
 
-def _charges(pack: Pack, models: list[Model]) -> dict[str, tuple[int, int, int]]:
-    """What each model is charged in `pack`: (its size, the part that is growth, what its load added)."""
-    return {
-        m.model_id: (
-            pack.charged.get(m.model_id, 0),
-            pack.growth_charged.get(m.model_id, 0),
-            pack.grown.get(m.model_id, 0),
-        )
-        for m in models
-    }
+def _charges(pack: Pack, models: list[Model]) -> Charges:
+    """What each of `models` is charged in `pack`."""
+    ids = [m.model_id for m in models]
+    return {i: (pack.charged.get(i, 0), pack.growth_charged.get(i, 0), pack.grown.get(i, 0)) for i in ids}
 
 
-def _move_charges(charges: dict, source: Pack, target: Pack, models: list[Model]) -> None:
+def _move_charges(charges: Charges, source: Pack, target: Pack, models: list[Model]) -> None:
     """The models' charges, as they were in `source` when their move began, are `target`'s now."""
     for model in models:
         model_id = model.model_id

@@ -7,7 +7,10 @@ import asyncio
 import collections
 import types
 
-from runtime import memory, packs
+import pytest
+
+from runtime import memory, packs, repacking
+from runtime.healing import Healer
 from runtime.model import ModelState
 from runtime.replicas import ReplicaSet
 from runtime.settings import Settings
@@ -15,13 +18,19 @@ from runtime.worker import WorkerState
 
 
 class StandInWorker:
-    def __init__(self, name: str):
+    def __init__(self, name: str, state: WorkerState = WorkerState.SERVING):
         self.name, self.pid, self.packed = name, 4000 + len(name), True
-        self.state = WorkerState.SERVING
+        self.identity = name.encode()
+        self.state = state
         self.models: set[str] = set()
         self.held: set[str] = set()  # what the process would hold
         self.in_flight = 0
+        self.calls: dict[str, int] = {}
+        self.running: frozenset[str] = frozenset()
+        self.kill_cause = None
         self.exited = asyncio.get_running_loop().create_future()
+        self.load_seconds = 0.01
+        self.refuses_loads = False
 
     alive = property(lambda self: self.state is not WorkerState.EXITED)
     serving = property(lambda self: self.state is WorkerState.SERVING)
@@ -30,9 +39,11 @@ class StandInWorker:
 class StandInPool:
     """Loads and drops as a pack would: a second load of a model it holds is refused."""
 
-    def __init__(self):
+    def __init__(self, *spares: StandInWorker):
         self.killed: list[StandInWorker] = []
         self.loading: list[str] = []  # each load sent, in order
+        self.to_take = list(spares)
+        self.takes = 0
 
     def spares(self):
         return []
@@ -40,11 +51,18 @@ class StandInPool:
     def replenish(self):
         pass
 
+    async def take(self, format_name):
+        self.takes += 1
+        await asyncio.sleep(0.01)  # a fork
+        return self.to_take.pop(0)
+
     async def send_load(self, worker, model_id, format_name, path, pack=False):
         self.loading.append(model_id)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(worker.load_seconds)
         worker.models.add(model_id)
-        if model_id in worker.held:
+        if worker.state is WorkerState.SPARE:
+            worker.state = WorkerState.SERVING
+        if model_id in worker.held or worker.refuses_loads:
             return {"ok": False, "message": f"{model_id} is loaded already"}
         worker.held.add(model_id)
         return {"ok": True}
@@ -54,15 +72,17 @@ class StandInPool:
         worker.held.discard(model_id)
         return {"ok": True}
 
-    def kill(self, worker, cause, reason):
+    def kill(self, worker, cause, reason, grace=0.0):
         if worker.alive:
             self.killed.append(worker)
+            worker.kill_cause = cause
             worker.state = WorkerState.EXITED
             worker.exited.set_result(-9)
 
 
 def ready_model(model_id: str):
-    spec = types.SimpleNamespace(format=types.SimpleNamespace(name="python"), path=f"/m/{model_id}")
+    fmt = types.SimpleNamespace(name="python", loads_on_any_thread=False, first_calls_bytes=0)
+    spec = types.SimpleNamespace(format=fmt, path=f"/m/{model_id}")
     return types.SimpleNamespace(
         model_id=model_id,
         spec=spec,
@@ -71,6 +91,7 @@ def ready_model(model_id: str):
         state=ModelState.READY,
         ready=True,
         called=True,
+        packed=True,
         crashes=collections.deque(),
     )
 
@@ -79,14 +100,19 @@ def holding(pack: packs.Pack, *models) -> None:
     for model in models:
         pack.members[model.model_id] = model
         pack.charged[model.model_id], pack.growth_charged[model.model_id] = 100, 50
+        pack.grown[model.model_id] = 50
         pack.worker.held.add(model.model_id)
         model.workers.append(pack.worker)
         model.replicas.add(pack.worker)
 
 
-def test_a_compaction_does_not_move_a_model_into_a_pack_a_heal_is_loading_it_into(monkeypatch):
+@pytest.fixture(autouse=True)
+def memory_of_stand_ins(monkeypatch):
     monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
     monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 1000)
+
+
+def test_a_compaction_does_not_move_a_model_into_a_pack_a_heal_is_loading_it_into():
 
     async def scenario():
         settings = Settings.from_env({"MODELS_PER_WORKER": "4", "MODEL_REPLICAS": "2"})
@@ -130,9 +156,7 @@ def test_a_compaction_does_not_move_a_model_into_a_pack_a_heal_is_loading_it_int
     assert "healed" not in target.worker.held and target.worker in pool.killed
 
 
-def test_a_compaction_that_waited_for_its_target_moves_nothing_into_it_once_it_is_full(monkeypatch):
-    monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
-    monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 1000)
+def test_a_compaction_that_waited_for_its_target_moves_nothing_into_it_once_it_is_full():
 
     async def scenario():
         pool = StandInPool()
@@ -157,3 +181,74 @@ def test_a_compaction_that_waited_for_its_target_moves_nothing_into_it_once_it_i
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.001)
+
+
+def test_a_recycle_keeps_the_charges_of_models_whose_old_pack_dies_before_they_move():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pool = StandInPool(fresh)
+        pack_set = packs.Packs(Settings.from_env({"MODELS_PER_WORKER": "4"}), pool)
+        old = pack_set.new_pack(StandInWorker("O"), "python")
+        old.base_bytes = 1
+        holding(old, ready_model("a"), ready_model("b"))
+        async with old.lock:
+            recycle = asyncio.create_task(pack_set._repacker.recycle(old, "a test"))
+            await until(lambda: pool.takes)  # it waits for a spare to take
+            pack_set.forget(old.worker)  # the old pack died: what the reaper does to the packs
+            old.worker.state = WorkerState.EXITED
+            old.worker.exited.set_result(-9)
+            await recycle
+        return pack_set.of(fresh)
+
+    fresh_pack = asyncio.run(scenario())
+    assert fresh_pack.charged == {"a": 100, "b": 100}
+    assert fresh_pack.growth_charged == {"a": 50, "b": 50}
+
+
+def test_a_failed_heal_does_not_drop_its_model_from_the_pack_a_move_has_just_put_it_in():
+    async def scenario():
+        settings = Settings.from_env({"MODELS_PER_WORKER": "4", "MODEL_REPLICAS": "2"})
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        fresh.load_seconds = 0.2
+        pool = StandInPool(fresh)
+        pack_set = packs.Packs(settings, pool)
+        recycled = pack_set.new_pack(StandInWorker("R"), "python")
+        refusing = pack_set.new_pack(StandInWorker("X"), "python")  # where the heal goes, and fails
+        recycled.base_bytes = refusing.base_bytes = 1
+        healed, other = ready_model("m"), ready_model("n")
+        holding(recycled, healed, other)  # m's other replica died: it heals
+        holding(refusing, ready_model("x"))
+        refusing.worker.refuses_loads = True
+        supervisor = types.SimpleNamespace(
+            settings=settings, metrics=None, pool=pool, packs=pack_set, discard=lambda model: None
+        )
+        async with recycled.lock:  # a neighbour's unload recycles the pack
+            recycle = asyncio.create_task(pack_set._repacker.recycle(recycled, "a test"))
+            await until(lambda: "m" in pool.loading)  # m loads in the fresh pack
+            heal = asyncio.create_task(Healer(supervisor)._reload_into_a_pack(healed))
+            await recycle
+        await heal
+        return healed, fresh
+
+    healed, fresh = asyncio.run(scenario())
+    assert healed.workers == [fresh] and "m" in fresh.held  # its calls go where it is loaded
+
+
+def test_an_unload_whose_calls_run_past_the_grace_recycles_the_pack_instead_of_waiting_for_them(monkeypatch):
+    monkeypatch.setattr(packs, "CALLS_GRACE_SECONDS", 0.05)
+    monkeypatch.setattr(repacking, "DRAIN_SECONDS", 0.05)
+
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pool = StandInPool(fresh)
+        pack_set = packs.Packs(Settings.from_env({"MODELS_PER_WORKER": "4", "WORKER_THREADS": "2"}), pool)
+        old = pack_set.new_pack(StandInWorker("O"), "python")
+        old.base_bytes = 1
+        stuck, other = ready_model("stuck"), ready_model("other")
+        holding(old, stuck, other)
+        old.worker.calls["stuck"] = old.worker.in_flight = 1  # a call that never returns
+        await asyncio.wait_for(pack_set.remove(stuck), 5)
+        return pool, old.worker, fresh, other
+
+    pool, old_worker, fresh, other = asyncio.run(scenario())
+    assert pool.killed == [old_worker] and other.workers == [fresh] and fresh.held == {"other"}
