@@ -104,3 +104,36 @@ def test_a_1_mib_call_after_small_ones_barely_faults_and_the_heap_it_used_comes_
                 raise AssertionError(
                     f"{error} after {calls} calls: front +{front:.1f} MiB, worker +{kept:.1f} MiB"
                 ) from None
+
+
+# Fills one output buffer of its own on every call: the next call writes it again.
+REUSING_MODEL = """
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            self.out = np.zeros(2 * 1024 * 1024, dtype=np.uint8)
+
+        def predict(self, inputs):
+            self.out.fill(int(inputs["x"][0]))
+            return {"y": self.out}
+"""
+
+
+def test_a_model_that_writes_its_output_buffer_again_never_sends_one_calls_bytes_to_another():
+    import concurrent.futures
+
+    with Runtime(SHARED_RING_BYTES="0") as rt:  # every frame through the socket
+        rt.load("reuser", rt.model_dir("reuser", REUSING_MODEL))
+
+        def values_back(value: int) -> set[int]:
+            request = v2.ModelInferRequest(model_name="reuser")
+            request.inputs.add(name="x", datatype="UINT8", shape=[1])
+            request.raw_input_contents.append(bytes([value]))
+            reply = rt.infer.ModelInfer(request, metadata=mesh_headers("reuser"), timeout=30)
+            return set(np.unique(np.frombuffer(reply.raw_output_contents[0], np.uint8)).tolist())
+
+        values = [i % 200 + 1 for i in range(160)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(values_back, values))
+        assert [value for value, back in zip(values, answers, strict=True) if back != {value}] == []

@@ -194,10 +194,14 @@ COPY_BELOW = 64 * 1024
 
 
 def send_frames(socket: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
-    """Sends one message made of `frames` (bytes or buffers)."""
+    """Sends one message made of `frames` (bytes or buffers).
+
+    Only a big bytes object goes without a copy: ZeroMQ's I/O thread sends it later, and a buffer
+    (a view of a model's output array, say) may be written again by then, by the next call."""
     last = len(frames) - 1
     for index, frame in enumerate(frames):
-        _send(socket, frame, flags | _SNDMORE if index < last else flags, copy=len(frame) < COPY_BELOW)
+        in_place = type(frame) is bytes and len(frame) >= COPY_BELOW
+        _send(socket, frame, flags | _SNDMORE if index < last else flags, copy=not in_place)
 
 
 def readable(socket: zmq.Socket) -> bool:
