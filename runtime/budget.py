@@ -67,7 +67,7 @@ class ByteBudget:
         except BaseException:
             if turn.done() and not turn.cancelled():
                 self.done_reading()  # let in just as we gave up: pass it on
-            else:
+            elif turn in self._readers:  # else a read that ended meanwhile already passed it by
                 self._readers.remove(turn)
             raise
 

@@ -229,6 +229,21 @@ def test_reads_beyond_the_line_limit_are_refused_at_once():
     asyncio.run(scenario())
 
 
+def test_a_read_given_up_on_as_another_ends_is_cancelled_and_leaves_nothing_reserved():
+    async def scenario():
+        budget = ByteBudget(per_model=100, total=100, largest_request=100)
+        await budget.start_reading()
+        waiting = asyncio.ensure_future(budget.start_reading())
+        await asyncio.sleep(0)  # in line
+        waiting.cancel()  # its deadline, in the same turn of the loop as...
+        budget.done_reading()  # ...the read before it ending
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return budget.reading
+
+    assert asyncio.run(scenario()) == 0
+
+
 BUDGET_MIB = {"GRPC_MAX_MESSAGE_BYTES": 32, "MODEL_BYTES_MAX": 96, "FRONT_BYTES_MAX": 128}
 # What the front may hold beyond its idle size while 60 calls of 30 MiB arrive at once: the calls it
 # holds and reads (FRONT_BYTES_MAX), grpc's copy of each as it is read and ZeroMQ's as it is sent, and
