@@ -326,6 +326,17 @@ HUGE_SHAPE_CASES = [
         ("'x'", "more than"),
         id="product-past-int64",
     ),
+    pytest.param(
+        raw_request(("x", "FP32", [0, 2**62], b"")), ("'x'", "dimension of more than"), id="zero-beside-huge"
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [0, 2**61], b"")),
+        ("'x'", "dimension of more than"),
+        id="bytes-zero-beside-huge",
+    ),
+    pytest.param(
+        raw_request(("x", "FP32", [1] * 65, b"\0" * 4)), ("'x'", "65 dimensions"), id="65-dimensions"
+    ),
 ]
 
 

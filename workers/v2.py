@@ -39,8 +39,10 @@ DATATYPES: dict[str, tuple[np.dtype, str | None]] = {
     "BYTES": (np.dtype(object), "bytes_contents"),
 }
 
-# Refuse absurd shapes before allocating anything: 2**40 elements is 4 TiB of FP32.
+# Refuse absurd shapes before allocating anything: 2**40 elements is 4 TiB of FP32. numpy before 2.0
+# takes at most 32 dimensions; a dimension past MAX_ELEMENTS is absurd even beside a zero.
 MAX_ELEMENTS = 1 << 40
+MAX_DIMENSIONS = 32
 
 
 class InvalidInput(ValueError):
@@ -121,8 +123,14 @@ def _datatype(name: str, datatype: str) -> tuple[np.dtype, str | None]:
 
 def _shape(tensor) -> tuple[int, ...]:
     shape = tuple(listed(tensor.shape))
+    if len(shape) > MAX_DIMENSIONS:
+        raise InvalidInput(f"input {tensor.name!r}: {len(shape)} dimensions, more than {MAX_DIMENSIONS}")
     if shape and min(shape) < 0:
         raise InvalidInput(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
+    if shape and max(shape) > MAX_ELEMENTS:
+        raise InvalidInput(
+            f"input {tensor.name!r}: shape {list(shape)} has a dimension of more than {MAX_ELEMENTS}"
+        )
     return shape
 
 
