@@ -149,8 +149,10 @@ class InferenceService(grpc.GenericRpcHandler):
 
     @staticmethod
     def _forwarded_as(method: str) -> tuple[str, str]:
-        """(method, metric label): our own method names, "other" for custom ones (clients choose those)."""
-        return method, method.rsplit("/", 1)[-1] if method.startswith(SERVICE) else "other"
+        """(method, metric label): the V2 method's name for those every worker serves, "other" for any
+        other (clients choose those names, under our service's prefix too: one series each)."""
+        known = method in (protocol.METHOD_INFER, protocol.METHOD_METADATA)
+        return method, method.rsplit("/", 1)[-1] if known else "other"
 
     async def _forward(self, method: str, label: str, header_id: str, request_iterator, context) -> bytes:
         started = time.perf_counter()

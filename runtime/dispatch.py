@@ -105,12 +105,17 @@ class Dispatcher:
         return status.request_too_long(model_id, limit_ms)
 
     def _response(self, model_id: str, frames: list, append_field: int | None) -> bytes:
+        # Judged on the frames first: joining a response far over the limit would copy it on the loop.
+        self._refuse_over_limit(model_id, sum(len(frame) for frame in frames))
         response = spliced(frames, append_field)
-        if len(response) > self.largest_response:  # grpc would fail it with a traceback
-            error = status.response_too_large(model_id, len(response), self.largest_response)
+        self._refuse_over_limit(model_id, len(response))  # with the few bytes splicing adds
+        return response
+
+    def _refuse_over_limit(self, model_id: str, size: int) -> None:
+        if size > self.largest_response:  # grpc would fail it with a traceback
+            error = status.response_too_large(model_id, size, self.largest_response)
             log.warning("%s", error.message, extra={"model_id": model_id})
             raise error
-        return response
 
 
 def _death_status(model: Model, worker: Worker | None, exit_code: int | None) -> status.RpcError:

@@ -21,6 +21,9 @@ from workers import protocol
 log = logging.getLogger("mesh.status")
 
 
+DETAILS_MAX_CHARS = 1024
+
+
 class RpcError(Exception):
     """An error that is a value: a gRPC status code and its message."""
 
@@ -181,7 +184,16 @@ async def abort(context, error: RpcError):
     megabytes of refused requests later.
     """
     error.__traceback__ = error.__context__ = error.__cause__ = None
-    await context.abort(error.code, error.message)
+    await context.abort(error.code, details(error.message))
+
+
+def details(message: str) -> str:
+    """A status's message as sent: at most DETAILS_MAX_CHARS of it. grpc sends it in a trailer,
+    percent-encoded, and a client refuses trailers past its metadata limit (8 KiB by default),
+    which turns the status into RESOURCE_EXHAUSTED; names and model errors come from clients."""
+    if len(message) <= DETAILS_MAX_CHARS:
+        return message
+    return f"{message[:DETAILS_MAX_CHARS]}... ({len(message) - DETAILS_MAX_CHARS} more characters)"
 
 
 def translated(handler):

@@ -273,3 +273,23 @@ def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
 
     asyncio.run(call_each())
     assert dispatcher.called == ids
+
+
+def test_calls_of_methods_clients_name_are_counted_under_one_label():
+    labels = {
+        method: InferenceService._forwarded_as(method)[1]
+        for method in (
+            "inference.GRPCInferenceService/ModelInfer",
+            "inference.GRPCInferenceService/ModelMetadata",
+            "inference.GRPCInferenceService/Anything1",
+            "inference.GRPCInferenceServiceX/Anything2",
+            "acme.Scorer/Score",
+        )
+    }
+    assert labels == {
+        "inference.GRPCInferenceService/ModelInfer": "ModelInfer",
+        "inference.GRPCInferenceService/ModelMetadata": "ModelMetadata",
+        "inference.GRPCInferenceService/Anything1": "other",
+        "inference.GRPCInferenceServiceX/Anything2": "other",
+        "acme.Scorer/Score": "other",
+    }

@@ -344,3 +344,21 @@ def test_a_kill_keeps_its_first_cause_and_only_hurries_a_second_time():
     worker, signals = run(scenario())
     assert worker.kill_cause is KillCause.UNLOAD and worker.death_label == "unload"
     assert signals[:2] == [15, 9]  # SIGTERM for the grace, then SIGKILL at once on the second kill
+
+
+def test_a_response_over_the_limit_is_refused_before_its_frames_are_joined(monkeypatch):
+    import runtime.dispatch
+
+    def joined(frames, append_field):
+        raise AssertionError("joined")
+
+    async def scenario():
+        dispatcher = dispatcher_for(ready_model(serving_worker()), FakePool())
+        dispatcher.largest_response = 10
+        monkeypatch.setattr(runtime.dispatch, "spliced", joined)
+        with pytest.raises(status.RpcError) as raised:
+            dispatcher._response("m", [b"x" * 8, b"y" * 8], 6)
+        return raised.value
+
+    error = run(scenario())
+    assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "16 bytes" in error.message

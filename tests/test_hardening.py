@@ -312,6 +312,19 @@ def test_model_id_with_a_control_character_is_refused_before_any_worker(rt, mode
     )
 
 
+def test_long_error_messages_keep_their_status_and_are_cut_short(guarded):
+    raising = "class Model:\n    def __init__(self, path):\n        pass\n\n    def predict(self, inputs):\n"
+    guarded.load("raiser", guarded.model_dir("raiser", raising + '        raise ValueError("x" * 200000)\n'))
+    error = expect_status(grpc.StatusCode.INTERNAL, guarded.infer_fp32, "raiser", [1.0])
+    assert error.details().startswith("ValueError: xxx") and len(error.details()) < 1200
+    request = v2.ModelInferRequest(model_name="m")
+    request.inputs.add(name="n" * 100_000, datatype="NOPE", shape=[1])
+    error = expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT, guarded.infer.ModelInfer, request, metadata=mesh_headers("m")
+    )
+    assert "more characters" in error.details()
+
+
 def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():
     with Runtime(GRPC_MAX_MESSAGE_BYTES=str(4 * MiB)) as runtime:
         runtime.load("big", runtime.model_dir("big", BIG_OUTPUT_MODEL))
