@@ -4,8 +4,9 @@ ModelInfer and ModelMetadata go to the model's worker as raw request bytes
 (no deserialiser is registered for them, so grpc hands us bytes and sends the
 worker's bytes back as they are). ServerLive, ServerReady, ServerMetadata and
 ModelReady carry no tensors and are answered here. Every method is served as
-stream-unary, so that its request is read under the byte budget
-(runtime/reading.py).
+stream-unary, so that its request is read under a byte budget
+(runtime/reading.py): the calls' budget for the forwarded methods, the
+control methods' own for the others (runtime/server.py).
 
 The model id comes from the `mm-model-id-bin` header (UTF-8), else
 `mm-model-id`, else field 1 of the request (where model-mesh injects it).
@@ -32,6 +33,7 @@ from plumbing import heap
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from runtime import __version__, modelspec, reading, status
+from runtime.budget import ByteBudget
 from runtime.dispatch import Dispatcher
 from runtime.heaptrim import QuietTrimmer
 from workers import protocol
@@ -91,7 +93,9 @@ async def _refuse(error: status.RpcError, request_iterator, context) -> None:
 
 
 class InferenceService(grpc.GenericRpcHandler):
-    def __init__(self, dispatcher: Dispatcher, allow_any_method: bool):
+    def __init__(self, dispatcher: Dispatcher, allow_any_method: bool, control: ByteBudget | None = None):
+        """control: the budget the server's and models' checks (ServerLive and the like) read under,
+        apart from the calls' (runtime/server.py); the calls' own where None."""
         self.dispatcher = dispatcher
         self.supervisor = dispatcher.supervisor
         self.budget = dispatcher.budget
@@ -119,7 +123,7 @@ class InferenceService(grpc.GenericRpcHandler):
                     request_deserializer=deserialize,
                     response_serializer=lambda message: message.SerializeToString(),
                 ),
-                self.budget,
+                control or self.budget,
             )
 
     def service(self, handler_call_details):

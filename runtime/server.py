@@ -33,6 +33,10 @@ from runtime.supervisor import Supervisor
 log = logging.getLogger("mesh.server")
 
 STREAM_WINDOW_BYTES = 4 * 2**20
+# The control methods (model-mesh's management API, health, reflection, the V2 server and model
+# checks) read their requests under a budget of their own, with room for this many at once: calls
+# waiting for room in FRONT_BYTES_MAX do not hold up an unload or a health check.
+CONTROL_READS_AT_ONCE = 2
 
 SERVICE_NAMES = (
     model_runtime_pb2.DESCRIPTOR.services_by_name["ModelRuntime"].full_name,
@@ -130,8 +134,8 @@ class GenericHandlersOnly:
     method plus one for every other method, and walks all of them on every
     call: the dozen methods that generated code registers cost each inference
     call more than looking the method up among four generic handlers does.
-    Each unary method is served so that its request is read under the byte
-    budget (runtime/reading.py).
+    Each unary method is served so that its request is read under the control
+    methods' byte budget (runtime/reading.py, CONTROL_READS_AT_ONCE).
     """
 
     def __init__(self, server: grpc.aio.Server, budget: ByteBudget):
@@ -146,7 +150,7 @@ class GenericHandlersOnly:
 
 
 class _Budgeted(grpc.GenericRpcHandler):
-    """A generic handler whose unary methods read their requests under the byte budget."""
+    """A generic handler whose unary methods read their requests under a byte budget."""
 
     def __init__(self, handler: grpc.GenericRpcHandler, budget: ByteBudget):
         self._handler = handler
@@ -186,8 +190,9 @@ def build_server(
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
-    server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method)])
-    generic_only = GenericHandlersOnly(server, dispatcher.budget)
+    control = ByteBudget(limit, CONTROL_READS_AT_ONCE * limit, limit)
+    server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method, control)])
+    generic_only = GenericHandlersOnly(server, control)
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(
         ModelRuntimeServicer(settings, supervisor), generic_only
     )

@@ -3,6 +3,7 @@ and an id that cannot be logged or titled is refused before any worker is touche
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 
@@ -323,6 +324,41 @@ def test_long_error_messages_keep_their_status_and_are_cut_short(guarded):
         grpc.StatusCode.INVALID_ARGUMENT, guarded.infer.ModelInfer, request, metadata=mesh_headers("m")
     )
     assert "more characters" in error.details()
+
+
+# Answers once a file named "go" is in its folder; says it has begun by writing "begun".
+WAITING_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+
+        def predict(self, inputs):
+            open(os.path.join(self.path, "begun"), "w").close()
+            while not os.path.exists(os.path.join(self.path, "go")):
+                time.sleep(0.01)
+            return dict(inputs)
+"""
+
+
+def test_model_mesh_and_health_calls_do_not_wait_behind_inference_calls_for_room_to_read():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    whole = "17825792"  # GRPC_MAX_MESSAGE_BYTES: no room to read another call while one is held
+    with Runtime(FRONT_BYTES_MAX=whole, MODEL_BYTES_MAX=whole) as runtime:
+        folder = runtime.model_dir("waiting", WAITING_MODEL)
+        runtime.load("waiting", folder)
+        runtime.load("other", runtime.model_dir("other"))
+        held = concurrent.futures.ThreadPoolExecutor(1).submit(runtime.infer_fp32, "waiting", [1.0])
+        wait_until(lambda: os.path.exists(os.path.join(folder, "begun")), timeout=10, what="the call held")
+        runtime.mesh.unloadModel(mm.UnloadModelRequest(modelId="other"), timeout=5)
+        assert runtime.mesh.modelSize(mm.ModelSizeRequest(modelId="waiting"), timeout=5).sizeInBytes > 0
+        health = health_pb2_grpc.HealthStub(runtime.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert runtime.infer.ServerLive(v2.ServerLiveRequest(), timeout=5).live and not held.done()
+        open(os.path.join(folder, "go"), "w").close()
+        assert held.result(timeout=10).outputs
 
 
 def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():
