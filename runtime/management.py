@@ -58,7 +58,15 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
 
     @status.translated
     async def predictModelSize(self, request, context):
-        spec = await asyncio.to_thread(self._resolve, request)
+        try:
+            spec = await asyncio.to_thread(self._resolve, request)
+        except status.RpcError:
+            size = modelspec.predicted_before_the_pull(
+                request.modelId, request.modelType, request.modelPath, request.modelKey, self.settings
+            )
+            if size is None:
+                raise
+            return pb.PredictModelSizeResponse(sizeInBytes=size)
         return pb.PredictModelSizeResponse(sizeInBytes=self.supervisor.predicted_size(spec))
 
     @status.translated

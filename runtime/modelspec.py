@@ -186,3 +186,21 @@ def predicted_size(spec: ModelSpec, settings: Settings) -> int:
     the format's floor, for each of the MODEL_REPLICAS workers that will hold it."""
     one_copy = max(int(spec.disk_bytes * settings.modelsize_multiplier), spec.format.size_floor, 1)
     return one_copy * settings.model_replicas
+
+
+def predicted_before_the_pull(
+    model_id: str, model_type: str, model_path: str, model_key: str, settings: Settings
+) -> int | None:
+    """predictModelSize's answer for a model whose files are not here yet, or None.
+
+    Behind ModelMesh Serving's storage helper, predictModelSize carries the path in storage: the
+    files are pulled only for loadModel. With the format named, each replica is predicted at the
+    format's floor (or DEFAULT_MODELSIZE, if higher); loadModel answers the size measured.
+    """
+    check_loadable_id(model_id)
+    if not model_path or os.path.lexists(os.path.normpath(os.path.join(settings.root_model_dir, model_path))):
+        return None  # here after all: resolve() says what is wrong with it
+    fmt = formats.by_name(format_name_from(parse_key(model_key), model_type) or "")
+    if fmt is None:
+        return None
+    return max(fmt.size_floor, settings.default_modelsize) * settings.model_replicas

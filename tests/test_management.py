@@ -346,6 +346,17 @@ def test_predict_model_size_from_files(rt):
     assert rt.model_workers() == 0
 
 
+def test_predict_model_size_before_the_storage_helper_pulled_the_files(rt):
+    """Behind the storage helper, predictModelSize carries the path in storage: not here yet."""
+    key = json.dumps({"model_type": {"name": "python"}, "storage_key": "default", "bucket": "models"})
+    request = mm.PredictModelSizeRequest(modelId="remote", modelPath="iris/in-the-bucket", modelKey=key)
+    answer = rt.mesh.predictModelSize(request, timeout=0.5)
+    assert answer.sizeInBytes >= 8 * MiB  # the format's floor
+    unnamed = mm.PredictModelSizeRequest(modelId="remote", modelPath="iris/in-the-bucket", modelKey="{}")
+    expect_status(grpc.StatusCode.FAILED_PRECONDITION, rt.mesh.predictModelSize, unnamed)
+    assert rt.model_workers() == 0
+
+
 def test_predict_model_size_bad_path(rt):
     request = mm.PredictModelSizeRequest(modelId="x", modelPath="/etc", modelKey="")
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, rt.mesh.predictModelSize, request)
