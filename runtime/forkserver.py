@@ -85,8 +85,15 @@ class ForkServers:
     def preload_of(self, group: str) -> tuple[str, ...]:
         return self._common if group == BASE_GROUP else (*self._common, *group.split("+"))
 
-    def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
-        """Forks `process` from the group's fork server, starting that first if need be; its pid."""
+    def start_all(self) -> None:
+        """Starts every group's fork server now: the front reads what they cost when it reports its
+        capacity, which with no warm spare would otherwise come before any of them ran."""
+        for group in self.groups():
+            self._server(group).ensure_running()
+            self._note_pid(group, self._servers[group])
+
+    def _server(self, group: str) -> multiprocessing.forkserver.ForkServer:
+        """The group's fork server, made if need be, with the environment it reads as it starts."""
         server = self._servers.get(group)
         if server is None:
             server = self._servers[group] = multiprocessing.forkserver.ForkServer()
@@ -99,6 +106,11 @@ class ForkServers:
         # The fork server sets the workers' log level once for all of them: set in
         # each worker, it would copy every logger's page (plumbing/logsetup.py).
         os.environ[logsetup.LOG_ENV] = " ".join(self._log_settings)
+        return server
+
+    def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
+        """Forks `process` from the group's fork server, starting that first if need be; its pid."""
+        server = self._server(group)
         default_connect = multiprocessing.forkserver.connect_to_new_process
         multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
         try:

@@ -91,11 +91,12 @@ class WorkerPool:
     # -- start and stop -------------------------------------------------------
 
     async def start(self) -> None:
-        """Kills what an earlier front left, starts the fork server, fills the spares."""
+        """Kills what an earlier front left, starts the fork servers, fills the spares."""
         purged = await asyncio.to_thread(self.registry.purge)
         if purged:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
         self.channel.start()
+        await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.start_all)
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
         # A stop before the spares are ready cancels only this wait; close() awaits the refill.

@@ -31,7 +31,7 @@ from runtime.healing import Healer
 from runtime.metrics import Metrics
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
-from runtime.packs import FILLING_PACKS_MAX, Packs
+from runtime.packs import FILLING_PACKS_MAX, PREDICTED_BASE_PER_FLOOR, Packs
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
@@ -114,11 +114,12 @@ class Supervisor:
         if self.settings.models_per_worker <= 1:
             return 0
         spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
-        spare *= PACK_BASE_PER_SPARE
         installed = [
             f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
         ]
-        return spare * len(installed) * FILLING_PACKS_MAX
+        if not spare:  # none to measure (WORKERS_WARM=0): each base as packs predict one
+            return sum(f.size_floor * PREDICTED_BASE_PER_FLOOR for f in installed) * FILLING_PACKS_MAX
+        return spare * PACK_BASE_PER_SPARE * len(installed) * FILLING_PACKS_MAX
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
