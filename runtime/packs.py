@@ -117,7 +117,12 @@ class Packs:
         self._repacker = Repacker(self, on_recycle)
 
     def accepts(self, spec: ModelSpec) -> bool:
-        """Whether the model goes into a pack."""
+        """Whether the model goes into a pack: a small one whose framework the fork servers preload.
+        A pack's first model of another would import it there, tens of MiB of base that no size
+        holds and capacity does not hold back; in a worker of its own, its size holds the import."""
+        framework = spec.format.framework
+        if framework is not None and framework not in self.settings.worker_preload:
+            return False
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes
 

@@ -21,6 +21,7 @@ import pytest
 from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, free_port, wait_until
 
 from protos import model_runtime_pb2 as mm
+from runtime.admin import cli
 
 PYTHON_KEY = json.dumps({"model_type": {"name": "python"}})
 
@@ -569,6 +570,29 @@ def test_capacity_holds_back_the_base_of_one_open_pack_per_format():
     # Six formats, the base of a pack (two spares' cost, a spare about 4 MiB) each: a pack not
     # yet full is counted in capacity.
     assert without_packs - with_packs > 40 * MiB, (without_packs, with_packs)
+
+
+def test_with_no_warm_spares_the_fork_servers_run_and_packs_are_held_back_from_the_start():
+    memory = {"CONTAINER_MEM_REQ_BYTES": str(4096 * MiB), "MODELS_PER_WORKER": "32"}
+    with Runtime(**memory, WORKERS_WARM="0") as rt:
+        assert rt.forkservers(), "running before any load, so capacity counts them"
+        assert rt.spares() == []
+        assert cli.ask(rt.env["RUNTIME_DIR"], "pool")["held_for_open_packs_bytes"] > 40 * MiB
+
+
+def test_a_small_model_whose_framework_is_not_preloaded_gets_a_worker_of_its_own():
+    import joblib
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+
+    with packed() as rt:  # WORKER_PRELOAD=numpy
+        folder = os.path.join(rt.models, "iris")
+        os.makedirs(folder)
+        joblib.dump(
+            LogisticRegression(max_iter=500).fit(*load_iris(return_X_y=True)), f"{folder}/model.joblib"
+        )
+        rt.load("iris", folder, fmt="sklearn")
+        assert pack_pids(rt) == set() and rt.worker_for("iris") is not None
 
 
 def pack_of(rt: Runtime, model_id: str) -> int:
