@@ -39,6 +39,9 @@ from runtime.heaptrim import QuietTrimmer
 from workers import protocol
 
 SERVICE = "inference.GRPCInferenceService"
+# A response this big counts against the byte budget until its call ends: a client that reads none
+# of its responses would otherwise pile them up in the front, its calls ending in time all the same.
+HELD_RESPONSE_BYTES = 64 * 1024
 # Services of our own that ALLOW_ANY_METHOD never hands to a model.
 NEVER_FORWARDED = ("/mmesh.", "/grpc.")
 
@@ -166,6 +169,8 @@ class InferenceService(grpc.GenericRpcHandler):
             if not model_id:
                 model_id = model_id_in_request(request)
             response = await self.dispatcher.call(model_id, method, request, context.time_remaining())
+            if len(response) >= HELD_RESPONSE_BYTES:
+                self._hold_until_sent(model_id, len(response), context)
         except status.RpcError as error:
             del request  # the abort's traceback holds this frame: not the request with it
             # Counted first: abort() sends the status before it returns, and a
@@ -176,6 +181,12 @@ class InferenceService(grpc.GenericRpcHandler):
         if len(request) >= heap.TRIM_AFTER_BYTES or len(response) >= heap.TRIM_AFTER_BYTES:
             self.heap.note()
         return response
+
+    def _hold_until_sent(self, model_id: str, size: int, context) -> None:
+        """Counts a big response against the byte budget until its call ends (RESOURCE_EXHAUSTED
+        when it would pass a limit): grpc keeps it until the client has read it all."""
+        self.budget.reserve(model_id, size)
+        context.add_done_callback(lambda _: self.budget.release(model_id, size))
 
     def _observe(self, model_id: str, label: str, code: str, started: float) -> None:
         if self.supervisor.is_known(model_id):  # ids of unknown models come from clients: not a label

@@ -325,8 +325,9 @@ VARIABLES: tuple[Variable, ...] = (
         "MODEL_BYTES_MAX",
         parse.whole_number,
         lambda s: 4 * s["grpc_max_message_bytes"],
-        "bytes of requests one model's calls may hold in the front, waiting or in flight; a call "
-        "that would pass it gets RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+        "bytes of requests one model's calls may hold in the front, waiting or in flight (and of their "
+        "responses of 64 KiB or more, until sent); a call that would pass it gets RESOURCE_EXHAUSTED at "
+        "once (at least GRPC_MAX_MESSAGE_BYTES)",
         parse.at_least(1),
         default_text="4 x GRPC_MAX_MESSAGE_BYTES",
     ),
@@ -334,8 +335,9 @@ VARIABLES: tuple[Variable, ...] = (
         "FRONT_BYTES_MAX",
         parse.whole_number,
         lambda s: _front_bytes_default(s),
-        "bytes of requests all calls together may hold in the front; a call that would pass it gets "
-        "RESOURCE_EXHAUSTED at once (at least GRPC_MAX_MESSAGE_BYTES)",
+        "bytes of requests (and of responses of 64 KiB or more, until sent) all calls together may "
+        "hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at once (at least "
+        "GRPC_MAX_MESSAGE_BYTES)",
         parse.at_least(1),
         default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES",
     ),

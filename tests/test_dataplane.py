@@ -242,14 +242,15 @@ def test_request_in_flight_during_unload_gets_not_found_not_a_hang(runtime):
 class _RecordingDispatcher:
     """Stands in for the dispatcher behind InferenceService: records which model each call was for."""
 
-    def __init__(self):
+    def __init__(self, response: bytes = b""):
         self.called: list[str] = []
-        self.budget = ByteBudget(per_model=MiB, total=MiB, largest_request=MiB)
+        self.response = response
+        self.budget = ByteBudget(per_model=MiB, total=2 * MiB, largest_request=MiB)
         self.supervisor = types.SimpleNamespace(metrics=None, is_known=lambda model_id: False)
 
     async def call(self, model_id, method, request, timeout):
         self.called.append(model_id)
-        return b""
+        return self.response
 
 
 def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
@@ -293,3 +294,38 @@ def test_calls_of_methods_clients_name_are_counted_under_one_label():
         "inference.GRPCInferenceServiceX/Anything2": "other",
         "acme.Scorer/Score": "other",
     }
+
+
+def test_a_big_response_counts_against_the_byte_budget_until_its_call_ends():
+    details = collections.namedtuple("Details", "method invocation_metadata")
+    ends, aborted = [], []
+
+    async def read():
+        return b""
+
+    async def abort(code, message):
+        aborted.append(code)
+        raise grpc.RpcError()
+
+    context = types.SimpleNamespace(
+        time_remaining=lambda: None, read=read, add_done_callback=ends.append, abort=abort
+    )
+
+    async def call(dispatcher):
+        service = InferenceService(dispatcher, allow_any_method=False)
+        handler = service.service(
+            details("/inference.GRPCInferenceService/ModelInfer", (("mm-model-id", "m"),))
+        )
+        try:
+            return await handler.stream_unary(iter(()), context)
+        except grpc.RpcError:
+            return None
+
+    dispatcher = _RecordingDispatcher(response=b"x" * (256 * 1024))
+    assert asyncio.run(call(dispatcher)) == dispatcher.response
+    assert dispatcher.budget.held == 256 * 1024  # until grpc has sent it all
+    ends.pop()(None)
+    assert dispatcher.budget.held == 0
+    too_big = _RecordingDispatcher(response=b"x" * (MiB + 1))  # past MODEL_BYTES_MAX
+    assert asyncio.run(call(too_big)) is None and aborted == [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert too_big.budget.held == 0 and ends == []
