@@ -43,28 +43,47 @@ async def _wait_to_read(budget: ByteBudget, seconds_left: float | None) -> None:
 
 
 def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:
-    """The same unary-unary method, served as stream-unary so its request is read under `budget`.
+    """The same method with one request, served as one that streams requests, so that its request
+    is read under `budget`: unary-unary as stream-unary, unary-stream (health's Watch) as
+    stream-stream.
 
-    Other kinds of handler are returned as they are: their requests are
+    Methods that stream requests are returned as they are: their requests are
     read one message at a time, when the servicer asks.
     """
-    if handler is None or handler.request_streaming or handler.response_streaming:
+    if handler is None or handler.request_streaming:
         return handler
-    deserialize, behaviour = handler.request_deserializer, handler.unary_unary
+    deserialize, serializer = handler.request_deserializer, handler.response_serializer
+    if handler.response_streaming:
+        answer_stream = handler.unary_stream
+
+        async def serve_stream(request_iterator, context):
+            answers = answer_stream(await _budgeted_request(budget, context, deserialize), context)
+            if inspect.isasyncgen(answers):
+                async for answer in answers:
+                    await context.write(answer)
+            else:  # a coroutine that writes its answers itself
+                await answers
+
+        return grpc.stream_stream_rpc_method_handler(serve_stream, response_serializer=serializer)
+    behaviour = handler.unary_unary
 
     async def serve(request_iterator, context):
-        request = None
-        try:
-            request = await read_request(budget, context)
-            if deserialize is not None:
-                request = _deserialized(deserialize, request)
-        except status.RpcError as error:
-            del request  # the abort's traceback holds this frame: not the request with it
-            await status.abort(context, error)
-        answer = behaviour(request, context)
+        answer = behaviour(await _budgeted_request(budget, context, deserialize), context)
         return await answer if inspect.isawaitable(answer) else answer
 
-    return grpc.stream_unary_rpc_method_handler(serve, response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
+
+
+async def _budgeted_request(budget: ByteBudget, context, deserialize):
+    """The call's request, read under `budget` and deserialised; the call is aborted when it cannot be."""
+    request = None
+    try:
+        request = await read_request(budget, context)
+        return request if deserialize is None else _deserialized(deserialize, request)
+    except status.RpcError as error:
+        del request  # the abort's traceback holds this frame: not the request with it
+        await status.abort(context, error)
+        raise  # abort() raises; this line is for the type checker
 
 
 def _deserialized(deserialize, request: bytes):

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from plumbing import heap, logsetup, priority, titles
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, busypoll, filelimit, reading, rundir
+from runtime import __version__, busypoll, filelimit, reading, rundir, status
 from runtime.admin import AdminServer
 from runtime.budget import ByteBudget
 from runtime.dataplane import InferenceService
@@ -37,6 +37,7 @@ STREAM_WINDOW_BYTES = 4 * 2**20
 # checks) read their requests under a budget of their own, with room for this many at once: calls
 # waiting for room in FRONT_BYTES_MAX do not hold up an unload or a health check.
 CONTROL_READS_AT_ONCE = 2
+HEALTH_SERVICE_NAME_MAX = 256
 
 SERVICE_NAMES = (
     model_runtime_pb2.DESCRIPTOR.services_by_name["ModelRuntime"].full_name,
@@ -167,6 +168,18 @@ class _Budgeted(grpc.GenericRpcHandler):
         return self._served[method]
 
 
+class HealthService(health.aio.HealthServicer):
+    """grpc's health service, refusing a Watch of a service name no service has: a Watch keeps its
+    request for as long as its stream is open."""
+
+    async def Watch(self, request, context) -> None:
+        if len(request.service) > HEALTH_SERVICE_NAME_MAX:
+            await status.abort(
+                context, status.service_name_too_long(len(request.service), HEALTH_SERVICE_NAME_MAX)
+            )
+        await super().Watch(request, context)
+
+
 def build_server(
     settings: Settings, supervisor: Supervisor, dispatcher: Dispatcher, health_servicer
 ) -> grpc.aio.Server:
@@ -258,7 +271,7 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     supervisor = Supervisor(settings, Metrics())
     budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max, settings.grpc_max_message_bytes)
     dispatcher = Dispatcher(settings, supervisor, supervisor.pool, budget)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthService()
     if settings.metrics_port:
         try:
             supervisor.metrics.serve(settings.metrics_port, supervisor)

@@ -93,6 +93,10 @@ def over_byte_budget(model_id: str, size: int, held: int, setting: str, limit: i
     )
 
 
+def service_name_too_long(length: int, limit: int) -> RpcError:
+    return invalid_argument(f"a health service name of {length} characters: none is over {limit}")
+
+
 def response_too_large(model_id: str, size: int, limit: int) -> RpcError:
     return RpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,

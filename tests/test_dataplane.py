@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from harness import MiB, expect_status, mesh_headers, status_of
 
 from protos import grpc_predict_v2_pb2 as v2
+from runtime import reading
 from runtime.budget import ByteBudget
 from runtime.dataplane import ROUTED_HANDLERS_MAX, InferenceService
 
@@ -329,3 +330,17 @@ def test_a_big_response_counts_against_the_byte_budget_until_its_call_ends():
     too_big = _RecordingDispatcher(response=b"x" * (MiB + 1))  # past MODEL_BYTES_MAX
     assert asyncio.run(call(too_big)) is None and aborted == [grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert too_big.budget.held == 0 and ends == []
+
+
+def test_health_watch_reads_its_request_under_the_budget_and_refuses_names_no_service_has(served):
+    stub = health_pb2_grpc.HealthStub(served.channel)
+    watching = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert next(watching).status == health_pb2.HealthCheckResponse.SERVING
+    watching.cancel()
+    expect_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: next(stub.Watch(health_pb2.HealthCheckRequest(service="s" * 1000))),
+    )
+    unary_stream = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
+    budget = ByteBudget(per_model=MiB, total=MiB, largest_request=MiB)
+    assert reading.budgeted(unary_stream, budget).request_streaming  # read when the budget has room
