@@ -71,6 +71,14 @@ def at_least(minimum: float) -> Callable[[Any], None]:
     return check
 
 
+def between(minimum: float, maximum: float) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if not minimum <= value <= maximum:
+            raise ValueError(f"must be between {minimum} and {maximum}, got {value}")
+
+    return check
+
+
 def zero_or_at_least(minimum: float) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if value != 0 and value < minimum:

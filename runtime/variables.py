@@ -35,6 +35,10 @@ def _front_bytes_default(so_far: dict[str, Any]) -> int:
     return max(so_far["grpc_max_message_bytes"], container // 16)
 
 
+# runtimeStatus carries some settings in uint32 fields: a value past this could not be sent.
+UINT32_MAX = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Variable:
     name: str
@@ -128,14 +132,14 @@ VARIABLES: tuple[Variable, ...] = (
         parse.whole_number,
         90000,
         "modelLoadingTimeoutMs; the runtime kills a load that takes longer",
-        parse.at_least(100),
+        parse.between(100, UINT32_MAX),
     ),
     Variable(
         "MAX_LOADING_CONCURRENCY",
         parse.whole_number,
         2,
         "maxLoadingConcurrency; further loads wait their turn",
-        parse.at_least(1),
+        parse.between(1, UINT32_MAX),
     ),
     Variable(
         "WORKERS_WARM",

@@ -53,8 +53,10 @@ def test_values_are_typed():
         ("RUNTIME_PORT", "eighty", "whole number"),
         ("RUNTIME_PORT", "8090", "reserved"),
         ("RUNTIME_PORT", "70000", "TCP port"),
-        ("LOADTIME_TIMEOUT", "50", "at least 100"),
-        ("MAX_LOADING_CONCURRENCY", "0", "at least 1"),
+        ("LOADTIME_TIMEOUT", "50", "between 100 and"),
+        ("LOADTIME_TIMEOUT", str(2**32), "between 100 and 4294967295"),  # runtimeStatus's uint32
+        ("MAX_LOADING_CONCURRENCY", "0", "between 1 and"),
+        ("MAX_LOADING_CONCURRENCY", str(2**32), "between 1 and 4294967295"),
         ("MODELSIZE_MULTIPLIER", "0", "greater than 0"),
         ("ROOT_MODEL_DIR", "models", "absolute path"),
         ("LOG_LEVEL", "loud", "one of"),
