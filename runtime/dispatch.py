@@ -106,9 +106,10 @@ class Dispatcher:
 
     def _response(self, model_id: str, frames: list, append_field: int | None) -> bytes:
         # Judged on the frames first: joining a response far over the limit would copy it on the loop.
-        self._refuse_over_limit(model_id, sum(len(frame) for frame in frames))
+        self._refuse_over_limit(model_id, sum(map(len, frames)))
         response = spliced(frames, append_field)
-        self._refuse_over_limit(model_id, len(response))  # with the few bytes splicing adds
+        if len(frames) > 1:
+            self._refuse_over_limit(model_id, len(response))  # with the few bytes splicing adds
         return response
 
     def _refuse_over_limit(self, model_id: str, size: int) -> None:
