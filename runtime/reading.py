@@ -20,13 +20,22 @@ import grpc
 from runtime import status
 from runtime.budget import ByteBudget
 
+# A control call's request (model-mesh's management API, health, the V2 server and model checks)
+# that has not come this long after the call began is refused: streams opened and left silent
+# would hold the control methods' budget for as long as they stay open. Those requests are tiny.
+CONTROL_READ_SECONDS = 5.0
 
-async def read_request(budget: ByteBudget, context) -> bytes:
-    """The call's request bytes, read once the budget has room for the largest allowed request."""
+
+async def read_request(budget: ByteBudget, context, within: float | None = None) -> bytes:
+    """The call's request bytes, read once the budget has room for the largest allowed request;
+    INVALID_ARGUMENT if they do not come `within` seconds (None: as long as the call lasts)."""
     if not budget.try_start_reading():
         await _wait_to_read(budget, context.time_remaining())
     try:
-        request = await context.read()
+        async with asyncio.timeout(within):
+            request = await context.read()
+    except TimeoutError:
+        raise status.request_not_sent(within or 0) from None
     finally:
         budget.done_reading()
     if request is grpc.aio.EOF:
@@ -42,13 +51,15 @@ async def _wait_to_read(budget: ByteBudget, seconds_left: float | None) -> None:
         raise status.deadline_passed_before_reading() from None
 
 
-def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:
+def budgeted(
+    handler: grpc.RpcMethodHandler, budget: ByteBudget, within: float | None = None
+) -> grpc.RpcMethodHandler:
     """The same method with one request, served as one that streams requests, so that its request
     is read under `budget`: unary-unary as stream-unary, unary-stream (health's Watch) as
     stream-stream.
 
     Methods that stream requests are returned as they are: their requests are
-    read one message at a time, when the servicer asks.
+    read one message at a time, when the servicer asks. `within`: see read_request().
     """
     if handler is None or handler.request_streaming:
         return handler
@@ -57,7 +68,7 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
         answer_stream = handler.unary_stream
 
         async def serve_stream(request_iterator, context):
-            answers = answer_stream(await _budgeted_request(budget, context, deserialize), context)
+            answers = answer_stream(await _budgeted_request(budget, context, deserialize, within), context)
             if inspect.isasyncgen(answers):
                 async for answer in answers:
                     await context.write(answer)
@@ -68,17 +79,17 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
     behaviour = handler.unary_unary
 
     async def serve(request_iterator, context):
-        answer = behaviour(await _budgeted_request(budget, context, deserialize), context)
+        answer = behaviour(await _budgeted_request(budget, context, deserialize, within), context)
         return await answer if inspect.isawaitable(answer) else answer
 
     return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
 
 
-async def _budgeted_request(budget: ByteBudget, context, deserialize):
+async def _budgeted_request(budget: ByteBudget, context, deserialize, within: float | None):
     """The call's request, read under `budget` and deserialised; the call is aborted when it cannot be."""
     request = None
     try:
-        request = await read_request(budget, context)
+        request = await read_request(budget, context, within)
         return request if deserialize is None else _deserialized(deserialize, request)
     except status.RpcError as error:
         del request  # the abort's traceback holds this frame: not the request with it

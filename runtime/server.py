@@ -164,7 +164,7 @@ class _Budgeted(grpc.GenericRpcHandler):
             found = self._handler.service(handler_call_details)
             if found is None:
                 return None  # an unknown name is not kept: clients choose those
-            self._served[method] = reading.budgeted(found, self._budget)
+            self._served[method] = reading.budgeted(found, self._budget, reading.CONTROL_READ_SECONDS)
         return self._served[method]
 
 

@@ -137,6 +137,10 @@ def deadline_passed_before_reading() -> RpcError:
     )
 
 
+def request_not_sent(seconds: float) -> RpcError:
+    return invalid_argument(f"the call's request did not come within {seconds:g} s of its start")
+
+
 def unavailable(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, message)
 

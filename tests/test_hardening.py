@@ -17,7 +17,7 @@ from protos import model_runtime_pb2 as mm
 from protos import wire
 from runtime import dataplane, status
 from runtime.budget import READ_LINE_MAX, ByteBudget
-from runtime.server import STREAM_WINDOW_BYTES
+from runtime.server import CONTROL_READS_AT_ONCE, STREAM_WINDOW_BYTES
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -359,6 +359,28 @@ def test_model_mesh_and_health_calls_do_not_wait_behind_inference_calls_for_room
         assert runtime.infer.ServerLive(v2.ServerLiveRequest(), timeout=5).live and not held.done()
         open(os.path.join(folder, "go"), "w").close()
         assert held.result(timeout=10).outputs
+
+
+def test_streams_that_never_send_their_request_hold_the_control_methods_for_seconds_only(guarded):
+    from runtime import reading
+
+    release = threading.Event()
+
+    def never_sent():
+        release.wait()
+        yield b""
+
+    silent = guarded.channel.stream_unary("/mmesh.ModelRuntime/modelSize")
+    stalled = [silent.future(never_sent()) for _ in range(CONTROL_READS_AT_ONCE)]  # all its room
+    try:
+        # Answered (NOT_FOUND: no such model) once the silent streams' reads are refused, not never.
+        unknown = mm.ModelSizeRequest(modelId="never-loaded")
+        expect_status(grpc.StatusCode.NOT_FOUND, guarded.mesh.modelSize, unknown, timeout=30)
+        for call in stalled:
+            assert call.exception(timeout=10).code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"within {reading.CONTROL_READ_SECONDS:g} s" in call.exception().details()
+    finally:
+        release.set()
 
 
 def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():
