@@ -32,8 +32,11 @@ async def read_request(budget: ByteBudget, context, within: float | None = None)
     if not budget.try_start_reading():
         await _wait_to_read(budget, context.time_remaining())
     try:
-        async with asyncio.timeout(within):
+        if within is None:  # the calls' path: no timer
             request = await context.read()
+        else:
+            async with asyncio.timeout(within):
+                request = await context.read()
     except TimeoutError:
         raise status.request_not_sent(within or 0) from None
     finally:
