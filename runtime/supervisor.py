@@ -107,19 +107,23 @@ class Supervisor:
         return self.capacity_bytes
 
     def open_packs_reserve(self) -> int:
-        """With packs, FILLING_PACKS_MAX packs per format may be open and not yet full: their base is
-        only partly in their models' sizes (runtime/packs.py), and model-mesh reads capacity once,
-        so the bases of that many packs per installed format are held back. A base is a spare and
-        what the pack's first load wrote: PACK_BASE_PER_SPARE spares' cost. Blocking (reads /proc)."""
+        """With packs, FILLING_PACKS_MAX packs per format may be open and not yet full (or one per
+        replica, each replica going into another pack): their base is only partly in their models'
+        sizes (runtime/packs.py), and model-mesh reads capacity once, so the bases of that many
+        packs per format that packs hold (python's and the preloaded frameworks') are held back. A
+        base is a spare and what the pack's first load wrote: PACK_BASE_PER_SPARE spares' cost.
+        Blocking (reads /proc)."""
         if self.settings.models_per_worker <= 1:
             return 0
         spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
-        installed = [
-            f for f in formats.FORMATS if f.framework is None or importlib.util.find_spec(f.framework)
-        ]
+        packed = [f for f in formats.FORMATS if f.framework is None or self._preloaded(f.framework)]
+        open_per_format = max(FILLING_PACKS_MAX, self.settings.model_replicas)
         if not spare:  # none to measure (WORKERS_WARM=0): each base as packs predict one
-            return sum(f.size_floor * PREDICTED_BASE_PER_FLOOR for f in installed) * FILLING_PACKS_MAX
-        return spare * PACK_BASE_PER_SPARE * len(installed) * FILLING_PACKS_MAX
+            return sum(f.size_floor * PREDICTED_BASE_PER_FLOOR for f in packed) * open_per_format
+        return spare * PACK_BASE_PER_SPARE * len(packed) * open_per_format
+
+    def _preloaded(self, framework: str) -> bool:
+        return framework in self.settings.worker_preload and importlib.util.find_spec(framework) is not None
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
