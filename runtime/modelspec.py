@@ -198,9 +198,18 @@ def predicted_before_the_pull(
     format's floor (or DEFAULT_MODELSIZE, if higher); loadModel answers the size measured.
     """
     check_loadable_id(model_id)
-    if not model_path or os.path.lexists(os.path.normpath(os.path.join(settings.root_model_dir, model_path))):
-        return None  # here after all: resolve() says what is wrong with it
+    root = settings.root_model_dir
+    path = os.path.normpath(os.path.join(root, model_path))
+    if not model_path or "\0" in model_path or not _inside(path, root) or os.path.lexists(path):
+        return None  # resolve() says what is wrong with it
+    # Answering for a path under a link that leads out of the roots would tell what is there.
+    here = os.path.dirname(path)
+    while not os.path.lexists(here):
+        here = os.path.dirname(here)
+    allowed = (os.path.realpath(root), os.path.realpath(settings.pvc_mounts_dir))
+    if not any(_inside(os.path.realpath(here), folder) for folder in allowed):
+        return None
     fmt = formats.by_name(format_name_from(parse_key(model_key), model_type) or "")
-    if fmt is None:
+    if fmt is None or (fmt.framework and importlib.util.find_spec(fmt.framework) is None):
         return None
     return max(fmt.size_floor, settings.default_modelsize) * settings.model_replicas

@@ -14,6 +14,7 @@ from harness import (
     alive,
     allocating_model,
     expect_status,
+    status_of,
     tree,
     wait_until,
     write_model,
@@ -355,6 +356,18 @@ def test_predict_model_size_before_the_storage_helper_pulled_the_files(rt):
     unnamed = mm.PredictModelSizeRequest(modelId="remote", modelPath="iris/in-the-bucket", modelKey="{}")
     expect_status(grpc.StatusCode.FAILED_PRECONDITION, rt.mesh.predictModelSize, unnamed)
     assert rt.model_workers() == 0
+
+
+@pytest.mark.parametrize(
+    "path", ["/etc/no-such-file", "../../../etc/no-such-file", "a\0b", "out/no-such-file"]
+)
+def test_predict_model_size_tells_nothing_of_what_lies_outside_the_roots(rt, path):
+    link = os.path.join(rt.models, "out")
+    if not os.path.lexists(link):
+        os.symlink("/etc", link)  # a link inside the root that leads out of it
+    key = json.dumps({"model_type": {"name": "python"}})
+    request = mm.PredictModelSizeRequest(modelId="probe", modelPath=path, modelKey=key)
+    assert status_of(rt.mesh.predictModelSize, request) is not grpc.StatusCode.OK
 
 
 def test_predict_model_size_bad_path(rt):
