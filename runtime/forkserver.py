@@ -86,11 +86,14 @@ class ForkServers:
         return self._common if group == BASE_GROUP else (*self._common, *group.split("+"))
 
     def start_all(self) -> None:
-        """Starts every group's fork server now: the front reads what they cost when it reports its
-        capacity, which with no warm spare would otherwise come before any of them ran."""
+        """Starts every group's fork server and waits until each has imported what it preloads (a
+        child forked from it, which exits at once, comes only then): the front reads what they
+        cost when it reports its capacity, which with no warm spare would come before any ran."""
         for group in self.groups():
-            self._server(group).ensure_running()
-            self._note_pid(group, self._servers[group])
+            probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="mesh-probe")
+            self.start_process(group, probe)
+            probe.join(timeout=120)
+            probe.close()
 
     def _server(self, group: str) -> multiprocessing.forkserver.ForkServer:
         """The group's fork server, made if need be, with the environment it reads as it starts."""

@@ -36,6 +36,16 @@ def test_the_base_fork_server_imports_no_framework_and_each_other_its_frameworks
     assert servers.preload_of("sklearn+xgboost") == ("numpy", "mymodule", "sklearn", "xgboost")
 
 
+def test_starting_every_fork_server_returns_once_each_has_imported_its_preload(tmp_path):
+    started: list[int] = []
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), started.append)
+    try:
+        servers.start_all()  # the front reads their cost next, for the capacity it reports
+        assert started and all("/numpy/" in open(f"/proc/{pid}/maps").read() for pid in started)
+    finally:
+        servers.stop()
+
+
 def sklearn_model(rt: Runtime) -> str:
     folder = os.path.join(rt.models, "iris-sklearn")
     os.makedirs(folder, exist_ok=True)

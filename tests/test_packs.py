@@ -578,7 +578,9 @@ def test_capacity_holds_back_the_base_of_one_open_pack_per_format():
 def test_with_no_warm_spares_the_fork_servers_run_and_packs_are_held_back_from_the_start(replicas):
     memory = {"CONTAINER_MEM_REQ_BYTES": str(4096 * MiB), "MODELS_PER_WORKER": "32"}
     with Runtime(**memory, WORKERS_WARM="0", MODEL_REPLICAS=str(replicas)) as rt:
-        assert rt.forkservers(), "running before any load, so capacity counts them"
+        servers = rt.forkservers()
+        assert servers, "running before any load, so capacity counts them"
+        assert all(imported(server.pid, "numpy") for server in servers), "their preload done by then"
         assert rt.spares() == []
         held = cli.ask(rt.env["RUNTIME_DIR"], "pool")["held_for_open_packs_bytes"]
     # No spare to measure: python's packs (numpy preloaded) held back at the base packs predict,
@@ -600,6 +602,12 @@ def test_a_small_model_whose_framework_is_not_preloaded_gets_a_worker_of_its_own
         )
         rt.load("iris", folder, fmt="sklearn")
         assert pack_pids(rt) == set() and rt.worker_for("iris") is not None
+
+
+def imported(pid: int, package: str) -> bool:
+    """Whether the process maps a file of `package` (its compiled modules: imported)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return f"/{package}/" in maps.read()
 
 
 def pack_of(rt: Runtime, model_id: str) -> int:
