@@ -169,8 +169,8 @@ class _Budgeted(grpc.GenericRpcHandler):
 
 
 class HealthService(health.aio.HealthServicer):
-    """grpc's health service, refusing a Watch of a service name no service has: a Watch keeps its
-    request for as long as its stream is open."""
+    """grpc's health service, refusing a Watch of a service name longer than any service's: a Watch
+    keeps its request for as long as its stream is open."""
 
     async def Watch(self, request, context) -> None:
         if len(request.service) > HEALTH_SERVICE_NAME_MAX:
