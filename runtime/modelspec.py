@@ -105,6 +105,20 @@ def _inside(path: str, folder: str) -> bool:
 
 def checked_path(model_path: str, settings: Settings) -> tuple[str, int]:
     """-> (the real path, bytes on disk); raises when the path is missing or escapes the roots."""
+    path = _in_root(model_path, settings)
+    if not os.path.lexists(path):
+        raise status.failed_precondition(f"modelPath {model_path} does not exist")
+    allowed = _roots(settings)
+    real = _checked_target(path, model_path, allowed)
+    disk_bytes = 0
+    for name in _walk(real, model_path):
+        _checked_target(name, model_path, allowed)
+        disk_bytes += os.stat(name).st_size
+    return real, disk_bytes
+
+
+def _in_root(model_path: str, settings: Settings) -> str:
+    """modelPath joined to ROOT_MODEL_DIR and normalised; raises when it is empty or leaves the root."""
     if not model_path:
         raise status.invalid_argument("modelPath is empty")
     if "\0" in model_path:
@@ -113,15 +127,12 @@ def checked_path(model_path: str, settings: Settings) -> tuple[str, int]:
     path = os.path.normpath(os.path.join(root, model_path))
     if not _inside(path, root):
         raise status.invalid_argument(f"modelPath {model_path} lies outside ROOT_MODEL_DIR ({root})")
-    if not os.path.lexists(path):
-        raise status.failed_precondition(f"modelPath {model_path} does not exist")
-    allowed = (os.path.realpath(root), os.path.realpath(settings.pvc_mounts_dir))
-    real = _checked_target(path, model_path, allowed)
-    disk_bytes = 0
-    for name in _walk(real, model_path):
-        _checked_target(name, model_path, allowed)
-        disk_bytes += os.stat(name).st_size
-    return real, disk_bytes
+    return path
+
+
+def _roots(settings: Settings) -> tuple[str, ...]:
+    """Where a model's files and the links on its path may lead: ROOT_MODEL_DIR and PVC_MOUNTS_DIR."""
+    return (os.path.realpath(settings.root_model_dir), os.path.realpath(settings.pvc_mounts_dir))
 
 
 def _checked_target(path: str, shown: str, allowed: tuple[str, ...]) -> str:
@@ -198,16 +209,17 @@ def predicted_before_the_pull(
     format's floor (or DEFAULT_MODELSIZE, if higher); loadModel answers the size measured.
     """
     check_loadable_id(model_id)
-    root = settings.root_model_dir
-    path = os.path.normpath(os.path.join(root, model_path))
-    if not model_path or "\0" in model_path or not _inside(path, root) or os.path.lexists(path):
+    try:
+        path = _in_root(model_path, settings)
+    except status.RpcError:
         return None  # resolve() says what is wrong with it
+    if os.path.lexists(path):
+        return None  # here after all: likewise
     # Answering for a path under a link that leads out of the roots would tell what is there.
     here = os.path.dirname(path)
     while not os.path.lexists(here):
         here = os.path.dirname(here)
-    allowed = (os.path.realpath(root), os.path.realpath(settings.pvc_mounts_dir))
-    if not any(_inside(os.path.realpath(here), folder) for folder in allowed):
+    if not any(_inside(os.path.realpath(here), folder) for folder in _roots(settings)):
         return None
     fmt = formats.by_name(format_name_from(parse_key(model_key), model_type) or "")
     if fmt is None or (fmt.framework and importlib.util.find_spec(fmt.framework) is None):

@@ -50,6 +50,7 @@ from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker
+from workers import formats
 
 log = logging.getLogger("mesh.packs")
 
@@ -120,11 +121,14 @@ class Packs:
         """Whether the model goes into a pack: a small one whose framework the fork servers preload.
         A pack's first model of another would import it there, tens of MiB of base that no size
         holds and capacity does not hold back; in a worker of its own, its size holds the import."""
-        framework = spec.format.framework
-        if framework is not None and framework not in self.settings.worker_preload:
+        if not self.packs_format(spec.format):
             return False
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes
+
+    def packs_format(self, fmt: formats.Format) -> bool:
+        """Whether models of `fmt` may go into packs: python's, and those of preloaded frameworks."""
+        return fmt.framework is None or fmt.framework in self.settings.worker_preload
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """A conservative size for one copy of a model that will go into a pack: what its load

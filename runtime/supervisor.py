@@ -116,14 +116,15 @@ class Supervisor:
         if self.settings.models_per_worker <= 1:
             return 0
         spare = max((memory.cost_or_zero(w.pid) for w in self.pool.spares()), default=0)
-        packed = [f for f in formats.FORMATS if f.framework is None or self._preloaded(f.framework)]
+        packed = [
+            f
+            for f in formats.FORMATS
+            if self.packs.packs_format(f) and (f.framework is None or importlib.util.find_spec(f.framework))
+        ]
         open_per_format = max(FILLING_PACKS_MAX, self.settings.model_replicas)
         if not spare:  # none to measure (WORKERS_WARM=0): each base as packs predict one
             return sum(f.size_floor * PREDICTED_BASE_PER_FLOOR for f in packed) * open_per_format
         return spare * PACK_BASE_PER_SPARE * len(packed) * open_per_format
-
-    def _preloaded(self, framework: str) -> bool:
-        return framework in self.settings.worker_preload and importlib.util.find_spec(framework) is not None
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
