@@ -17,16 +17,29 @@ Two kinds of bytes count against FRONT_BYTES_MAX:
   be read holds up to HTTP/2's window of its request in the front (see
   runtime/server.py), so at most READ_LINE_MAX calls wait; the next one is
   refused at once.
+
+A read holds its room until its request has come whole, so streams opened
+and left silent would hold the room for as long as they stay open, and
+every other call would wait behind them. A read under way for
+SLOW_READ_SECONDS gives its room up as soon as a call waits for it: its
+task is cancelled, and read_request() refuses that call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import time
 
 from runtime import status
 
 READ_LINE_MAX = 64
+# A request of the largest size comes whole in milliseconds from model-mesh in the same pod; a
+# read still under way after this long is a stalled or hostile client, or a very slow link.
+SLOW_READ_SECONDS = 2.0
+
+Read = int  # a read under way, as try_start_reading() and start_reading() name it
 
 
 class ByteBudget:
@@ -37,53 +50,101 @@ class ByteBudget:
         self.held = 0
         self.reading = 0  # a largest_request for each read under way
         self._held_by_model: dict[str, int] = {}
-        self._readers: collections.deque[asyncio.Future] = collections.deque()
+        self._readers: collections.deque[tuple[asyncio.Future, asyncio.Task | None]] = collections.deque()
+        # Reads under way, oldest first: when each began, and the task reading, to cancel it.
+        self._reads: dict[Read, tuple[float, asyncio.Task | None]] = {}
+        self._read_ids = itertools.count()
+        self._gave_way: set[Read] = set()  # reads cancelled for a call waiting for their room
+        self._slow_reads_timer: asyncio.TimerHandle | None = None
 
     def held_by(self, model_id: str) -> int:
         return self._held_by_model.get(model_id, 0)
 
     # -- reading ------------------------------------------------------------------
 
-    def try_start_reading(self) -> bool:
-        """Reserves room for the largest allowed request at once, if it fits and nobody waits; else False."""
+    def try_start_reading(self) -> Read | None:
+        """Reserves room for the largest allowed request at once, if it fits and nobody waits; else None."""
         if self._readers or not self._room_to_read():
-            return False
-        self.reading += self.largest_request
-        return True
+            return None
+        return self._begin_read(asyncio.current_task())
 
-    async def start_reading(self) -> None:
+    async def start_reading(self) -> Read:
         """Returns once a request of the largest allowed size fits.
 
         That much stays reserved until done_reading().
         """
-        if self.try_start_reading():
-            return
+        read = self.try_start_reading()
+        if read is not None:
+            return read
         if len(self._readers) >= READ_LINE_MAX:
             raise status.read_line_full(READ_LINE_MAX, self.total)
         turn = asyncio.get_running_loop().create_future()
-        self._readers.append(turn)
+        place = (turn, asyncio.current_task())
+        self._readers.append(place)
+        self._watch_slow_reads()
         try:
-            await turn  # _let_readers_in reserved our share
+            return await turn  # _let_readers_in began our read
         except BaseException:
             if turn.done() and not turn.cancelled():
-                self.done_reading()  # let in just as we gave up: pass it on
-            elif turn in self._readers:  # else a read that ended meanwhile already passed it by
-                self._readers.remove(turn)
+                self.done_reading(turn.result())  # let in just as we gave up: pass it on
+            elif place in self._readers:  # else a read that ended meanwhile already passed it by
+                self._readers.remove(place)
             raise
 
-    def done_reading(self) -> None:
+    def done_reading(self, read: Read) -> None:
+        del self._reads[read]
+        if self._gave_way:
+            self._gave_way.discard(read)
         self.reading -= self.largest_request
         self._let_readers_in()
+
+    def gave_way(self, read: Read) -> bool:
+        """Whether `read` was cancelled to give its room to a call waiting for it."""
+        return read in self._gave_way
+
+    def _begin_read(self, task: asyncio.Task | None) -> Read:
+        read = next(self._read_ids)
+        self._reads[read] = (time.monotonic(), task)
+        self.reading += self.largest_request
+        return read
 
     def _room_to_read(self) -> bool:
         return self.held + self.reading + self.largest_request <= self.total
 
     def _let_readers_in(self) -> None:
         while self._readers and self._room_to_read():
-            turn = self._readers.popleft()
+            turn, task = self._readers.popleft()
             if not turn.done():
-                self.reading += self.largest_request
-                turn.set_result(None)
+                turn.set_result(self._begin_read(task))
+        if self._readers and self._slow_reads_timer is None:
+            self._watch_slow_reads()  # the reads just begun may stall too
+
+    # -- reads that stall -----------------------------------------------------------
+
+    def _watch_slow_reads(self) -> None:
+        """While calls wait to be read, wakes when the oldest read under way turns slow."""
+        if self._slow_reads_timer is not None or not self._readers:
+            return
+        oldest = next((began for read, (began, _) in self._reads.items() if read not in self._gave_way), None)
+        if oldest is None:
+            return  # the room is held by requests being served: it comes back as they end
+        wait = max(0.001, oldest + SLOW_READ_SECONDS - time.monotonic())  # the loop's clock may run ahead
+        self._slow_reads_timer = asyncio.get_running_loop().call_later(wait, self._cancel_slow_reads)
+
+    def _cancel_slow_reads(self) -> None:
+        """Cancels the slow reads, oldest first, one for each call waiting in line."""
+        self._slow_reads_timer = None
+        waiting = sum(not turn.done() for turn, _ in self._readers)
+        now = time.monotonic()
+        for read, (began, task) in list(self._reads.items()):
+            if waiting == 0 or now - began < SLOW_READ_SECONDS:
+                break  # the reads after this one began later
+            if read in self._gave_way or task is None:
+                continue
+            self._gave_way.add(read)
+            task.cancel()  # its done_reading() lets the first caller in line in
+            waiting -= 1
+        self._watch_slow_reads()
 
     # -- holding ------------------------------------------------------------------
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 
 import grpc
 
 from runtime import status
-from runtime.budget import ByteBudget
+from runtime.budget import SLOW_READ_SECONDS, ByteBudget, Read
+
+log = logging.getLogger("mesh.reading")
 
 # A control call's request (model-mesh's management API, health, the V2 server and model checks)
 # that has not come this long after the call began is refused: streams opened and left silent
@@ -28,9 +31,11 @@ CONTROL_READ_SECONDS = 5.0
 
 async def read_request(budget: ByteBudget, context, within: float | None = None) -> bytes:
     """The call's request bytes, read once the budget has room for the largest allowed request;
-    INVALID_ARGUMENT if they do not come `within` seconds (None: as long as the call lasts)."""
-    if not budget.try_start_reading():
-        await _wait_to_read(budget, context.time_remaining())
+    INVALID_ARGUMENT if they do not come `within` seconds (None: as long as the call lasts), and
+    RESOURCE_EXHAUSTED if the read turned slow while other calls waited for its room."""
+    read = budget.try_start_reading()
+    if read is None:
+        read = await _wait_to_read(budget, context.time_remaining())
     try:
         if within is None:  # the calls' path: no timer
             request = await context.read()
@@ -39,17 +44,25 @@ async def read_request(budget: ByteBudget, context, within: float | None = None)
                 request = await context.read()
     except TimeoutError:
         raise status.request_not_sent(within or 0) from None
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is None or not budget.gave_way(read):
+            raise
+        task.uncancel()  # the budget cancelled it, to end this read: the call goes on, to its refusal
+        error = status.read_gave_way(SLOW_READ_SECONDS)
+        log.warning("refused a call from %s: %s", context.peer(), error.message)
+        raise error from None
     finally:
-        budget.done_reading()
+        budget.done_reading(read)
     if request is grpc.aio.EOF:
         raise status.invalid_argument("the call carried no request message")
     return request
 
 
-async def _wait_to_read(budget: ByteBudget, seconds_left: float | None) -> None:
+async def _wait_to_read(budget: ByteBudget, seconds_left: float | None) -> Read:
     try:
         async with asyncio.timeout(seconds_left):
-            await budget.start_reading()
+            return await budget.start_reading()
     except TimeoutError:
         raise status.deadline_passed_before_reading() from None
 

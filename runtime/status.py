@@ -137,6 +137,14 @@ def deadline_passed_before_reading() -> RpcError:
     )
 
 
+def read_gave_way(seconds: float) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the call's request had not come whole {seconds:g} s after its read began, and other calls "
+        "waited for the room that read held",
+    )
+
+
 def request_not_sent(seconds: float) -> RpcError:
     return invalid_argument(f"the call's request did not come within {seconds:g} s of its start")
 

@@ -15,6 +15,7 @@ from harness import MiB, Runtime, expect_status, mesh_headers, status_of, wait_u
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from protos import wire
+from runtime import budget as budget_module
 from runtime import dataplane, status
 from runtime.budget import READ_LINE_MAX, ByteBudget
 from runtime.server import CONTROL_READS_AT_ONCE, STREAM_WINDOW_BYTES
@@ -192,19 +193,19 @@ def test_byte_budget_counts_per_model_and_in_all():
 def test_reads_wait_in_line_for_room_for_the_largest_request():
     async def scenario():
         budget = ByteBudget(per_model=100, total=100, largest_request=40)
-        await budget.start_reading()
-        await budget.start_reading()  # 80 of 100 reserved: a third read must wait
+        first = await budget.start_reading()
+        second = await budget.start_reading()  # 80 of 100 reserved: a third read must wait
         third = asyncio.ensure_future(budget.start_reading())
         given_up = asyncio.ensure_future(budget.start_reading())
         await asyncio.sleep(0)
         assert not third.done()
         given_up.cancel()
-        budget.done_reading()
+        budget.done_reading(first)
         await asyncio.sleep(0)
         assert third.done() and budget.reading == 80
         budget.reserve("m", 30)  # held bytes count too: 30 + 80 leaves no room for another 40
         fourth = asyncio.ensure_future(budget.start_reading())
-        budget.done_reading()
+        budget.done_reading(second)
         await asyncio.sleep(0)
         assert not fourth.done()
         budget.release("m", 30)
@@ -233,13 +234,49 @@ def test_reads_beyond_the_line_limit_are_refused_at_once():
 def test_a_read_given_up_on_as_another_ends_is_cancelled_and_leaves_nothing_reserved():
     async def scenario():
         budget = ByteBudget(per_model=100, total=100, largest_request=100)
-        await budget.start_reading()
+        first = await budget.start_reading()
         waiting = asyncio.ensure_future(budget.start_reading())
         await asyncio.sleep(0)  # in line
         waiting.cancel()  # its deadline, in the same turn of the loop as...
-        budget.done_reading()  # ...the read before it ending
+        budget.done_reading(first)  # ...the read before it ending
         with pytest.raises(asyncio.CancelledError):
             await waiting
+        return budget.reading
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_a_slow_read_gives_its_room_up_only_to_a_call_waiting_for_it(monkeypatch):
+    monkeypatch.setattr(budget_module, "SLOW_READ_SECONDS", 0.2)
+    outcomes: dict[str, str] = {}
+
+    async def stalled_read(budget: ByteBudget, name: str) -> None:
+        """A read whose request never comes, ended the way read_request() ends one."""
+        read = await budget.start_reading()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            outcomes[name] = "gave way" if budget.gave_way(read) else "cancelled"
+            raise
+        finally:
+            budget.done_reading(read)
+
+    async def scenario():
+        budget = ByteBudget(per_model=100, total=100, largest_request=50)
+        older = asyncio.ensure_future(stalled_read(budget, "older"))
+        await asyncio.sleep(0.05)
+        newer = asyncio.ensure_future(stalled_read(budget, "newer"))
+        await asyncio.sleep(0.3)
+        assert not older.done() and not newer.done(), "slow reads ended with nobody waiting"
+        waiting = asyncio.ensure_future(budget.start_reading())
+        read = await asyncio.wait_for(waiting, timeout=5)
+        await asyncio.sleep(0.05)
+        assert older.cancelled() and outcomes == {"older": "gave way"}  # one call waited: one read ended
+        assert not newer.done()
+        budget.done_reading(read)
+        newer.cancel()
+        await asyncio.sleep(0)
+        assert outcomes["newer"] == "cancelled"  # cancelled by its caller, not for another call
         return budget.reading
 
     assert asyncio.run(scenario()) == 0
@@ -361,26 +398,52 @@ def test_model_mesh_and_health_calls_do_not_wait_behind_inference_calls_for_room
         assert held.result(timeout=10).outputs
 
 
+def _never_sent(release: threading.Event):
+    """A client's request stream that sends nothing until `release` is set."""
+    release.wait()
+    yield b""
+
+
 def test_streams_that_never_send_their_request_hold_the_control_methods_for_seconds_only(guarded):
     from runtime import reading
 
     release = threading.Event()
-
-    def never_sent():
-        release.wait()
-        yield b""
-
     silent = guarded.channel.stream_unary("/mmesh.ModelRuntime/modelSize")
-    stalled = [silent.future(never_sent()) for _ in range(CONTROL_READS_AT_ONCE)]  # all its room
+    stalled = [silent.future(_never_sent(release)) for _ in range(CONTROL_READS_AT_ONCE)]  # all its room
     try:
-        # Answered (NOT_FOUND: no such model) once the silent streams' reads are refused, not never.
+        time.sleep(0.5)  # their reads begin
+        # Answered (NOT_FOUND: no such model) once a silent stream gives its room up, not never.
         unknown = mm.ModelSizeRequest(modelId="never-loaded")
         expect_status(grpc.StatusCode.NOT_FOUND, guarded.mesh.modelSize, unknown, timeout=30)
-        for call in stalled:
-            assert call.exception(timeout=10).code() is grpc.StatusCode.INVALID_ARGUMENT
-            assert f"within {reading.CONTROL_READ_SECONDS:g} s" in call.exception().details()
+        codes = sorted(call.exception(timeout=10).code().name for call in stalled)
+        # One gave its room up to modelSize; the other, with nobody waiting, ran into the control
+        # methods' own limit.
+        assert codes == ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+        details = {call.exception().code().name: call.exception().details() for call in stalled}
+        assert f"within {reading.CONTROL_READ_SECONDS:g} s" in details["INVALID_ARGUMENT"]
+        assert "had not come whole" in details["RESOURCE_EXHAUSTED"]
     finally:
         release.set()
+
+
+def test_streams_that_never_send_their_request_give_the_calls_room_up_once_a_call_waits():
+    whole = 17825792  # GRPC_MAX_MESSAGE_BYTES: room to read two calls at once
+    with Runtime(FRONT_BYTES_MAX=str(2 * whole), MODEL_BYTES_MAX=str(whole)) as runtime:
+        runtime.load("m", runtime.model_dir("m"))
+        release = threading.Event()
+        silent = runtime.channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
+        stalled = [silent.future(_never_sent(release), metadata=mesh_headers("m")) for _ in range(2)]
+        try:
+            time.sleep(0.5)  # their reads begin, and hold all the room
+            assert runtime.infer_fp32("m", [2.0]).outputs  # within its 30 s, not never
+            wait_until(lambda: any(call.done() for call in stalled), timeout=10, what="a silent call ended")
+            ended = [call for call in stalled if call.done()]
+            assert len(ended) == 1, "a silent stream was ended with no call waiting for its room"
+            assert ended[0].exception().code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "had not come whole" in ended[0].exception().details()
+            assert "refused a call from" in runtime.log()
+        finally:
+            release.set()
 
 
 def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line():
