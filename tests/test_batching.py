@@ -197,6 +197,26 @@ def test_outputs_that_are_not_per_row_are_retried_call_by_call(worker):
     assert [values for _, _, values in answers(replies)] == [[3.0], [7.0]]
 
 
+class PerOutputModel(RowModel):
+    """Answers as scikit-learn's multi-output classifiers answer predict_proba: a list holding one
+    [rows, ...] array per output, not an array of rows."""
+
+    def predict(self, inputs, parameters, requested_outputs):
+        x = inputs["x"]
+        self.batches.append(x.shape[0])
+        return {"y": [x * 2, x * 3]}
+
+
+def test_outputs_that_are_lists_are_retried_call_by_call(worker):
+    # Two calls of one row: the list's length equals the rows in all, so splitting it would hand
+    # each call one output of both calls' rows.
+    hold(worker, PerOutputModel(), "sklearn", batches_rows=True)
+    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    assert worker.models.by_id["m"].model.batches == [2, 1, 1]
+    first, second = [values for _, _, values in answers(replies)]
+    assert first == [[[2.0, 4.0]], [[3.0, 6.0]]] and second == [[[6.0, 8.0]], [[9.0, 12.0]]]
+
+
 def test_models_that_are_not_row_wise_never_share(worker):
     hold(worker, worker.models.by_id["m"].model, "sklearn", batches_rows=False)
     worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))

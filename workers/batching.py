@@ -109,8 +109,11 @@ def stacked_inputs(group: list[InferCall]) -> dict[str, np.ndarray]:
 def split_outputs(group: list[InferCall], outputs: Any) -> list[dict[str, np.ndarray]]:
     """Each call's rows of a shared predict's outputs.
 
-    Raises ValueError when an output is not one row per input row (such a
-    model cannot share predicts; the caller runs the calls one by one).
+    Raises ValueError when an output is not an array of one row per input
+    row (such a model cannot share predicts; the caller runs the calls one
+    by one). An output given as a list is refused whatever its length:
+    scikit-learn's multi-output classifiers answer predict_proba with a list
+    of one [rows, classes] array per output, whose first axis is not rows.
     """
     if not isinstance(outputs, dict):
         raise ValueError(f"predict() returned {type(outputs).__name__}, not a dict")
@@ -121,10 +124,12 @@ def split_outputs(group: list[InferCall], outputs: Any) -> list[dict[str, np.nda
             raise ValueError("a call's inputs do not share a row count")
         rows.append(count)
     total = sum(rows)
-    arrays = {name: np.asarray(value) for name, value in outputs.items()}
-    for name, array in arrays.items():
+    for name, array in outputs.items():
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"output {name!r} is a {type(array).__name__}, not an array of rows")
         if array.ndim == 0 or array.shape[0] != total:
             raise ValueError(f"output {name!r} has shape {array.shape}, not one row per input row ({total})")
+    arrays: dict[str, np.ndarray] = outputs
     shares, start = [], 0
     for count in rows:
         shares.append({name: array[start : start + count] for name, array in arrays.items()})
