@@ -38,6 +38,10 @@ class ModelSpec:
     path: str  # absolute, symlinks resolved
     format: formats.Format
     disk_bytes: int  # bytes of the model's files, following symlinks
+    # Python modules of its own beside its model.py (a helpers.py, a package): such a model needs a
+    # worker of its own. A pack holds many models' folders on sys.path, and a module a model
+    # imports after its load (inside predict, say) would come from whichever folder is first.
+    brings_modules: bool = False
 
 
 def resolve(
@@ -61,7 +65,23 @@ def resolve(
         raise status.failed_precondition(
             f"{model_path} holds no file of format {fmt.name!r} ({', '.join(fmt.file_names + fmt.suffixes)})"
         )
-    return ModelSpec(model_id, path, fmt, disk_bytes)
+    brings_modules = fmt.imports_from_its_folder and _holds_modules(path)
+    return ModelSpec(model_id, path, fmt, disk_bytes, brings_modules)
+
+
+def _holds_modules(path: str) -> bool:
+    """Whether the folder of the model at `path` (model.py, or the folder holding it) holds a
+    Python module besides it: a .py file, an extension module, or a folder with .py files in it
+    (a package, or a namespace package)."""
+    source = os.path.join(path, "model.py") if os.path.isdir(path) else path
+    for entry in os.scandir(os.path.dirname(source)):
+        if entry.path == source or entry.name == "__pycache__":
+            continue
+        if entry.is_file() and entry.name.endswith((".py", ".so", ".pyc")):
+            return True
+        if entry.is_dir() and any(name.endswith(".py") for name in os.listdir(entry.path)):
+            return True
+    return False
 
 
 def check_model_id(model_id: str) -> None:

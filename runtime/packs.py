@@ -120,8 +120,9 @@ class Packs:
     def accepts(self, spec: ModelSpec) -> bool:
         """Whether the model goes into a pack: a small one whose framework the fork servers preload.
         A pack's first model of another would import it there, tens of MiB of base that no size
-        holds and capacity does not hold back; in a worker of its own, its size holds the import."""
-        if not self.packs_format(spec.format):
+        holds and capacity does not hold back; in a worker of its own, its size holds the import.
+        Not a custom model with modules of its own (ModelSpec.brings_modules)."""
+        if not self.packs_format(spec.format) or spec.brings_modules:
             return False
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes

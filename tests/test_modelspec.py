@@ -25,6 +25,7 @@ def model_folder(settings, name, files):
 
     os.makedirs(folder)
     for file_name, size in files.items():
+        os.makedirs(os.path.dirname(f"{folder}/{file_name}"), exist_ok=True)
         with open(f"{folder}/{file_name}", "wb") as f:
             f.write(b"\0" * size)
     return folder
@@ -50,6 +51,29 @@ def test_missing_framework_is_failed_precondition_naming_the_extra(settings):
         )
     assert error.value.code.name == "FAILED_PRECONDITION"
     assert "pip install 'mesh-runtime[fancy]'" in error.value.message
+
+
+@pytest.mark.parametrize(
+    "files, brings",
+    [
+        ({"model.py": 10, "weights.npy": 10, "model-settings.json": 10}, False),
+        ({"model.py": 10, "helpers.py": 10}, True),
+        ({"model.py": 10, "native.cpython-311-x86_64-linux-gnu.so": 10}, True),
+        ({"model.py": 10, "lib/__init__.py": 10}, True),
+        ({"model.py": 10, "lib/util.py": 10}, True),  # a namespace package
+        ({"model.py": 10, "data/table.csv": 10, "__pycache__/model.cpython-311.pyc": 10}, False),
+    ],
+)
+def test_a_custom_model_with_python_modules_beside_its_model_py_is_told_apart(settings, files, brings):
+    folder = model_folder(settings, "m", files)
+    assert modelspec.resolve("m", "mt:python", folder, "", settings).brings_modules is brings
+    # A model named by its file: its folder is the one that goes on sys.path.
+    assert modelspec.resolve("f", "mt:python", f"{folder}/model.py", "", settings).brings_modules is brings
+
+
+def test_only_custom_models_are_told_apart_by_their_modules(settings):
+    folder = model_folder(settings, "m", {"model.joblib": 10, "helpers.py": 10})
+    assert not modelspec.resolve("m", "mt:sklearn", folder, "", settings).brings_modules
 
 
 def test_predicted_size_is_disk_times_multiplier_per_replica(settings):

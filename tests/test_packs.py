@@ -604,6 +604,34 @@ def test_a_small_model_whose_framework_is_not_preloaded_gets_a_worker_of_its_own
         assert pack_pids(rt) == set() and rt.worker_for("iris") is not None
 
 
+# Imports its helper module inside predict(), not at its load.
+HELPED_MODEL = """
+import numpy as np
+
+class Model:
+    def __init__(self, path):
+        pass
+
+    def predict(self, inputs):
+        import helpers
+        return {"who": np.array([helpers.WHO])}
+"""
+
+
+def test_custom_models_with_modules_of_their_own_get_workers_of_their_own_and_run_their_own_code():
+    with packed() as rt:
+        rt.load("plain", rt.model_dir("plain"))
+        for name in ("tenant-a", "tenant-b"):
+            folder = rt.model_dir(name, HELPED_MODEL)
+            with open(os.path.join(folder, "helpers.py"), "w") as helpers:
+                helpers.write(f"WHO = {name!r}\n")
+            rt.load(name, folder)
+        for name in ("tenant-a", "tenant-b", "tenant-a"):
+            assert rt.infer_fp32(name, [1.0]).outputs[0].contents.bytes_contents == [name.encode()]
+        assert pack_of(rt, "plain") in pack_pids(rt)  # a model with no modules beside it is packed
+        assert rt.worker_for("tenant-a") is not None and rt.worker_for("tenant-b") is not None
+
+
 def imported(pid: int, package: str) -> bool:
     """Whether the process maps a file of `package` (its compiled modules: imported)."""
     with open(f"/proc/{pid}/maps") as maps:

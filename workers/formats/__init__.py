@@ -50,6 +50,9 @@ class Format:
     # model's own first predict (docs/density.md). A pack has it in its base:
     # what its models' calls add after its last load.
     first_calls_bytes: int = 384 * KiB
+    # The worker puts the model's folder on sys.path (a custom model's helper modules beside its
+    # model.py): see runtime/modelspec.py, ModelSpec.brings_modules.
+    imports_from_its_folder: bool = False
 
     def matches(self, file_name: str) -> bool:
         return file_name in self.file_names or file_name.endswith(self.suffixes or ("\0",))
@@ -89,6 +92,7 @@ FORMATS: tuple[Format, ...] = (
         aliases=("custom", "python3", "mesh-python"),
         size_floor=10 * MiB,
         loads_on_any_thread=False,
+        imports_from_its_folder=True,
     ),
     # 8.4-8.5 MiB loaded, 8.5 MiB after a call.
     Format(

@@ -43,8 +43,9 @@ def load(path: str) -> PythonModel:
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {source}")
     code, forget_compiled = _code_of(source)
-    # Helper modules next to model.py are importable, as a user would expect; each model imports
-    # its own (a pack's models may each have a helpers.py).
+    # Helper modules next to model.py are importable, as a user would expect. Such a model gets a
+    # worker of its own (the front's ModelSpec.brings_modules): in a pack, a module imported after
+    # the load would come from whichever model's folder is first on sys.path.
     _hold_on_path(folder)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
