@@ -8,7 +8,9 @@ that, as seldom as its silence limit allows (runtime/heartbeat.py idle_beat_ms).
 heartbeat reads the slots once a second (runtime/heartbeat.py): memory reads,
 no system call, nothing sent.
 
-The file is RUNTIME_DIR/beats, one float64 per slot (workers/protocol.py).
+The file is RUNTIME_DIR/beats, two float64 per slot (workers/protocol.py): the
+last beat, and what a pack's main thread runs, which tells whose code killed
+a pack that died (runtime/packs.py blamed()).
 The pool hands each worker a slot in its spawn config and frees it once the
 worker is reaped, so no two living processes ever share a slot. The file
 only grows: a worker maps it whole when it starts, and a shrunk file would
@@ -44,7 +46,8 @@ class BeatFile:
             os.unlink(self.path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._map: mmap.mmap | None = None
-        self._slots: memoryview[float] = memoryview(b"").cast(protocol.BEAT_FORMAT)
+        self._fields: memoryview[float] = memoryview(b"").cast(protocol.BEAT_FORMAT)
+        self._capacity = 0  # slots the file holds
         self._handed_out = 0  # slots ever handed out; the free ones are in _free
         self._free: list[int] = []  # a heap: the lowest slot is reused first, so the file stays small
         self._grow(_SLOTS_PER_PAGE)
@@ -56,23 +59,29 @@ class BeatFile:
         else:
             slot = self._handed_out
             self._handed_out += 1
-            if slot >= len(self._slots):
-                self._grow(2 * len(self._slots))
-        self._slots[slot] = time.monotonic()
+            if slot >= self._capacity:
+                self._grow(2 * self._capacity)
+        self._fields[protocol.beat_index(slot)] = time.monotonic()
+        self._fields[protocol.running_index(slot)] = protocol.NOTHING_RUNNING
         return slot
 
     def free(self, slot: int) -> None:
         """Gives back the slot of a worker that was reaped (or never forked)."""
-        self._slots[slot] = math.inf  # never the oldest stamp
+        self._fields[protocol.beat_index(slot)] = math.inf  # never the oldest stamp
         heapq.heappush(self._free, slot)
 
     def last_beat(self, slot: int) -> float:
         """The time.monotonic() of the slot's last stamp."""
-        return self._slots[slot]
+        return self._fields[protocol.beat_index(slot)]
+
+    def running(self, slot: int) -> float:
+        """The model_tag() of the model whose call or load the slot's pack runs, else NOTHING_RUNNING."""
+        return self._fields[protocol.running_index(slot)]
 
     def oldest(self) -> float:
         """The oldest stamp of any slot in use, in one pass in C: inf when none is."""
-        return min(self._slots[: self._handed_out], default=math.inf)
+        end = protocol.beat_index(self._handed_out)
+        return min(self._fields[: end : protocol.FIELDS_PER_SLOT], default=math.inf)
 
     def close(self) -> None:
         self._unmap()
@@ -85,10 +94,11 @@ class BeatFile:
         os.ftruncate(self._fd, slots * protocol.BEAT_BYTES)
         self._unmap()
         self._map = mmap.mmap(self._fd, 0)
-        self._slots = memoryview(self._map).cast(protocol.BEAT_FORMAT)
+        self._fields = memoryview(self._map).cast(protocol.BEAT_FORMAT)
+        self._capacity = slots
 
     def _unmap(self) -> None:
-        self._slots.release()
+        self._fields.release()
         if self._map is not None:
             self._map.close()
             self._map = None

@@ -9,10 +9,10 @@ MODEL_CRASH_WINDOW_MS is dropped, so it answers NOT_FOUND and model-mesh
 places it elsewhere.
 
 A pack's death (runtime/packs.py) hits every model in it: each heals into
-another pack, and the crash counts against the models that had calls in it
-(all of them when none had), so a model that crashes its packs is dropped
-and its neighbours are not. A pack the front ended for a recycle counts
-against none of the models left in it (those that could not move).
+another pack, and the crash counts against the model whose code the pack was
+running (runtime/packs.py blamed()), so a model that crashes its packs is
+dropped and its neighbours are not. A pack the front ended for a recycle
+counts against none of the models left in it (those that could not move).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.worker import KillCause, Worker
-from workers import formats
+from workers import formats, protocol
 
 log = logging.getLogger("mesh.packs")
 
@@ -381,6 +381,14 @@ async def _answered(worker: Worker, model_id: str, within: float) -> bool:
 
 
 def blamed(models: list[Model], worker: Worker) -> list[Model]:
-    """The models a pack's death counts against: those with calls in it, else all of them."""
+    """The models a pack's death counts against, of the ready `models` it held.
+
+    Its main thread says in the beat file whose call or load it runs: that
+    model alone, none of these if it was a load (that load fails) or a drop.
+    With call threads, which say nothing, those with calls in it. Else (it
+    died idle: killed from outside, or for its memory) all of them.
+    """
+    if worker.last_running != protocol.NOTHING_RUNNING:
+        return [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]
     running = [m for m in models if m.model_id in worker.running]
     return running or models

@@ -358,6 +358,7 @@ class WorkerPool:
         code = await loop.run_in_executor(self._spawner, self._collect_exit, worker)
         self._workers.pop(worker.identity, None)
         if worker.beat_slot is not None:
+            worker.last_running = self.beats.running(worker.beat_slot)
             self.beats.free(worker.beat_slot)  # reaped: nothing stamps it any more
         self._spares.discard(worker)
         # Exited first: failing its requests frees their replica slots at once,

@@ -27,6 +27,7 @@ import time
 
 from plumbing import lifeline, priority
 from runtime.forkserver import BASE_GROUP
+from workers import protocol
 
 
 class WorkerState(enum.Enum):
@@ -94,6 +95,8 @@ class Worker:
         self.in_flight = 0  # calls sent and not answered yet
         self.calls: dict[str, int] = {}  # of those, per model id (none: absent)
         self.running: frozenset[str] = frozenset()  # models with calls in it when it died
+        # What its main thread ran when it died: a model_tag() or NOTHING_RUNNING (packs only).
+        self.last_running = protocol.NOTHING_RUNNING
         self.kill_cause: KillCause | None = None
         self.kill_reason = ""  # the sentence for logs and status messages
         self.served = 0

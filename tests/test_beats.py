@@ -24,7 +24,7 @@ def test_a_stamp_a_worker_writes_is_what_the_front_reads(beats):
     assert (first, second) == (0, 1)
     assert before <= beats.last_beat(first) <= time.monotonic(), "a new slot is not stamped with its start"
     worker_side = protocol.map_beats(beats.path)
-    worker_side[first], worker_side[second] = 5.0, 7.0
+    worker_side[protocol.beat_index(first)], worker_side[protocol.beat_index(second)] = 5.0, 7.0
     assert (beats.last_beat(first), beats.last_beat(second)) == (5.0, 7.0)
     assert beats.oldest() == 5.0
 
@@ -33,8 +33,8 @@ def test_a_freed_slot_is_reused_lowest_first_and_stamped_anew(beats):
     slots = [beats.allocate() for _ in range(4)]
     worker_side = protocol.map_beats(beats.path)
     for slot in slots:
-        worker_side[slot] = 123.0
-    worker_side[0] = 100.0
+        worker_side[protocol.beat_index(slot)] = 123.0
+    worker_side[protocol.beat_index(0)] = 100.0
     beats.free(2)
     beats.free(1)
     assert beats.oldest() == 100.0, "a freed slot still counts among the stamps"
@@ -57,8 +57,8 @@ def test_the_file_grows_under_a_worker_that_mapped_it_small(beats):
     assert slots == list(range(per_page + 1))
     assert os.path.getsize(beats.path) >= (per_page + 1) * protocol.BEAT_BYTES
     late_worker = protocol.map_beats(beats.path)  # forked after the file grew
-    first_worker[0] = 1.5
-    late_worker[per_page] = 2.5
+    first_worker[protocol.beat_index(0)] = 1.5
+    late_worker[protocol.beat_index(per_page)] = 2.5
     assert beats.last_beat(0) == 1.5, "the front lost a slot when it remapped the grown file"
     assert beats.last_beat(per_page) == 2.5
 
@@ -70,7 +70,7 @@ def test_a_file_an_earlier_front_left_is_replaced_not_shared(tmp_path):
     beats = BeatFile(str(tmp_path))
     try:
         slot = beats.allocate()
-        leftover_worker[slot] = 9.0
+        leftover_worker[protocol.beat_index(slot)] = 9.0
         assert beats.last_beat(slot) != 9.0, "a process of the earlier front stamped our slot"
         assert os.stat(beats.path).st_mode & 0o777 == 0o600
         assert os.listdir(tmp_path) == [BEATS_NAME]
@@ -85,3 +85,16 @@ def test_a_file_an_earlier_front_left_is_replaced_not_shared(tmp_path):
 def test_an_idle_worker_beats_as_seldom_as_leaves_a_margin_and_twice_per_short_limit(limit_ms, beat_ms):
     assert heartbeat.idle_beat_ms(limit_ms) == beat_ms
     assert limit_ms - beat_ms >= min(heartbeat.BEAT_MARGIN_MS, limit_ms / 2)
+
+
+def test_a_slot_says_which_model_its_pack_runs_and_starts_running_nothing(beats):
+    slot = beats.allocate()
+    worker_side = protocol.map_beats(beats.path)
+    worker_side[protocol.running_index(slot)] = protocol.model_tag("m")
+    worker_side[protocol.beat_index(slot)] = 4.0
+    assert beats.running(slot) == protocol.model_tag("m") and beats.last_beat(slot) == 4.0
+    assert protocol.model_tag("m") != protocol.model_tag("n")
+    assert protocol.model_tag("") != protocol.NOTHING_RUNNING
+    beats.free(slot)
+    assert beats.allocate() == slot and beats.running(slot) == protocol.NOTHING_RUNNING
+    assert beats.oldest() > 4.0, "a running field was read as a beat"

@@ -18,7 +18,16 @@ import urllib.request
 import grpc
 import psutil
 import pytest
-from harness import REPO, MiB, Runtime, alive, allocating_model, expect_status, free_port, wait_until
+from harness import (
+    REPO,
+    MiB,
+    Runtime,
+    alive,
+    allocating_model,
+    expect_status,
+    free_port,
+    wait_until,
+)
 
 from protos import model_runtime_pb2 as mm
 from runtime import packs
@@ -78,6 +87,20 @@ CRASHING_LOAD = """
 
     class Model:
         def __init__(self, path):
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+# A model whose predict says it has begun (a file "begun" in its folder), then kills its process.
+CRASHING_LATE_MODEL = """
+    import os, signal, time
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+
+        def predict(self, inputs):
+            open(os.path.join(self.path, "begun"), "w").close()
+            time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -344,6 +367,40 @@ def test_a_load_that_crashes_its_pack_fails_and_only_that_packs_models_heal():
         assert not psutil.pid_exists(crashing) and full in pack_pids(rt), "only the crashed pack went"
         assert all(answers(rt, f"full{i}") for i in range(4))
         expect_status(grpc.StatusCode.NOT_FOUND, rt.infer_fp32, "crasher", [1.0])
+
+
+def test_a_pack_crash_counts_against_the_model_it_ran_not_a_neighbour_whose_call_waited():
+    with packed(MODEL_CRASH_LIMIT="2") as rt, concurrent.futures.ThreadPoolExecutor(2) as calls:
+        rt.load("a", rt.model_dir("a"))
+        folder = rt.model_dir("bad", CRASHING_LATE_MODEL)
+        rt.load("bad", folder)
+        for _ in range(2):
+            wait_until(lambda: answers_by_now(rt, "a") and pack_of(rt, "a") == pack_of(rt, "bad"), timeout=20)
+            crashing = calls.submit(rt.infer_fp32, "bad", [1.0])
+            wait_until(lambda: os.path.exists(os.path.join(folder, "begun")), timeout=10, what="bad's call")
+            os.unlink(os.path.join(folder, "begun"))
+            waiting = calls.submit(rt.infer_fp32, "a", [1.0])  # in line behind bad's call in their pack
+            for call in (crashing, waiting):
+                assert call.exception(timeout=20).code() is grpc.StatusCode.UNAVAILABLE
+        wait_until(lambda: "dropping bad" in rt.log(), timeout=20, what="the crashing model dropped")
+        wait_until(lambda: answers_by_now(rt, "a"), timeout=20, what="the neighbour healed")
+        assert "dropping a:" not in rt.log()
+
+
+def test_loads_that_crash_their_pack_count_against_none_of_its_models():
+    with packed(MODEL_CRASH_LIMIT="2") as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        for _ in range(3):  # model-mesh retries a failed load
+            wait_until(lambda: answers_by_now(rt, "neighbour"), timeout=20, what="the neighbour healed")
+            error = expect_status(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                rt.load,
+                "crasher",
+                rt.model_dir("crasher", CRASHING_LOAD),
+            )
+            assert "died" in error.details(), error.details()
+        wait_until(lambda: answers_by_now(rt, "neighbour"), timeout=20, what="the neighbour healed")
+        assert "dropping neighbour" not in rt.log()
 
 
 def test_a_cancelled_load_in_a_pack_recycles_it_and_the_survivor_serves_on():

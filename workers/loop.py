@@ -69,6 +69,8 @@ class Worker:
         self.beat_ms = config.get("beat_ms", BEAT_MS)
         self.beats = protocol.map_beats(config.get("beats"))
         self.beat_slot = config.get("beat_slot", 0)
+        self.beat_index = protocol.beat_index(self.beat_slot)
+        self.running_index = protocol.running_index(self.beat_slot)
         self.heap_to_trim = False  # a big buffer came or went since the heap was last given back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -117,8 +119,16 @@ class Worker:
     def beat(self) -> float:
         """Stamps this worker's slot with the time, which it returns: the front reads it."""
         now = time.monotonic()
-        self.beats[self.beat_slot] = now
+        self.beats[self.beat_index] = now
         return now
+
+    def mark_running(self, model_id: str | None) -> None:
+        """Says in the beat file which model's code a pack's main thread runs now (None: none), so
+        that a pack's death counts against that model alone (runtime/packs.py blamed()). Call
+        threads mark nothing: several models may run at once."""
+        if self.models.packed and self.pool is None:
+            tag = protocol.model_tag(model_id) if model_id else protocol.NOTHING_RUNNING
+            self.beats[self.running_index] = tag
 
     def ms_to_next_beat(self) -> int:
         """Until the next instant of this worker's group: every beat_ms, shifted by the group's gap."""
@@ -202,7 +212,12 @@ class Worker:
                 for reply in self.on_calls(calls):  # calls that came first are answered first
                     self.send(reply)
                 calls = []
-                self.send(self.handlers[op](header, payloads))
+                self.mark_running(header.get("model_id"))  # a load, or a drop and its model's close()
+                try:
+                    reply = self.handlers[op](header, payloads)
+                finally:
+                    self.mark_running(None)
+                self.send(reply)
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
         if calls:
@@ -267,7 +282,11 @@ class Worker:
         if refusal is not None or held is None:
             return refusal or []  # _refusal() answers every call without a model
         request = payloads[0] if payloads else b""
-        return self._answer(held, request_id, method, self._dispatch, held, request_id, method, request)
+        self.mark_running(held.model_id)
+        try:
+            return self._answer(held, request_id, method, self._dispatch, held, request_id, method, request)
+        finally:
+            self.mark_running(None)
 
     def _refusal(self, header: dict, held: Held | None) -> list | None:
         """The reply to a call that must not run (its model not here, deadline passed), else None."""
@@ -352,9 +371,16 @@ class Worker:
 
     def _predict_group(self, group: list[batching.InferCall]) -> dict[int, list]:
         """Replies to a group of alike calls by request id: one predict, or one each if that fails."""
-        shares: Sequence[dict | None] = [None] * len(group)  # None: the call predicts on its own
         held = group[0].held  # a group's calls are for one model (batching.groups)
         assert held is not None  # _decoded_for_batch() decodes only calls for a held model
+        self.mark_running(held.model_id)
+        try:
+            return self._predict_alike(held, group)
+        finally:
+            self.mark_running(None)
+
+    def _predict_alike(self, held: Held, group: list[batching.InferCall]) -> dict[int, list]:
+        shares: Sequence[dict | None] = [None] * len(group)  # None: the call predicts on its own
         if len(group) > 1:
             try:
                 # Alike calls: the first one's parameters and requested outputs are everyone's.

@@ -49,6 +49,7 @@ file (`map_beats` below, runtime/beats.py) and no message is sent for it.
 from __future__ import annotations
 
 import mmap
+import zlib
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -95,16 +96,36 @@ METHOD_INFER = "inference.GRPCInferenceService/ModelInfer"
 METHOD_METADATA = "inference.GRPCInferenceService/ModelMetadata"
 
 
-# The beat file: an array of float64 slots, one per worker, each the
-# time.monotonic() of that worker's last beat. CLOCK_MONOTONIC is one clock for
-# the whole machine, so the front compares a stamp with its own time. An
-# aligned 8-byte store is one instruction: a reader never sees half a stamp.
+# The beat file: an array of float64, two per worker's slot. The first is the
+# time.monotonic() of that worker's last beat: CLOCK_MONOTONIC is one clock for
+# the whole machine, so the front compares a stamp with its own time. The
+# second says what a pack's main thread runs: the model_tag() of the model whose
+# call or load it is in, else NOTHING_RUNNING; so when a pack dies, the front
+# knows which model's code killed it. An aligned 8-byte store is one
+# instruction: a reader never sees half a stamp.
 BEAT_FORMAT: Final = "d"
-BEAT_BYTES = 8
+FIELDS_PER_SLOT = 2
+BEAT_BYTES = 8 * FIELDS_PER_SLOT  # per slot
+NOTHING_RUNNING = 0.0
+
+
+def beat_index(slot: int) -> int:
+    """Where a slot's last beat is in the mapped beat file."""
+    return slot * FIELDS_PER_SLOT
+
+
+def running_index(slot: int) -> int:
+    """Where a slot's running model is in the mapped beat file."""
+    return slot * FIELDS_PER_SLOT + 1
+
+
+def model_tag(model_id: str) -> float:
+    """A model's number in a slot's running field: its id's CRC-32 plus one, exact in a float64."""
+    return float(zlib.crc32(model_id.encode()) + 1)
 
 
 def map_beats(path: str | None) -> memoryview[float]:
-    """The beat file as it is now, mapped for writing; index it by slot.
+    """The beat file as it is now, mapped for writing; index it by beat_index() and running_index().
 
     The file only grows (runtime/beats.py), so a slot inside this mapping
     stays inside the file for good. Without a path (a worker run with no
