@@ -12,7 +12,8 @@ have written it:
 - a private folder whose contents are all ours and writable by us alone is
   kept: the records of an earlier front's processes in it are the purge's to
   act on (runtime/leftovers.py). Read bits do not matter inside a 0700
-  folder, and a socket's mode follows the umask.
+  folder, nor a socket's write bits: it holds nothing anyone could plant,
+  and its mode follows the umask (0002 makes ours group-writable).
 
 One front per folder: the front holds an exclusive flock on `front.lock` in
 it for its whole life, and a second front on the same folder stops before it
@@ -187,7 +188,7 @@ def _distrust(entry: str, info: os.stat_result) -> str | None:
         return f"{entry} is a symlink"
     if info.st_uid != os.getuid():
         return f"{entry} belongs to uid {info.st_uid}"
-    if info.st_mode & _OTHERS_MAY_WRITE:
+    if info.st_mode & _OTHERS_MAY_WRITE and not stat.S_ISSOCK(info.st_mode):
         return f"{entry} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
 

@@ -164,6 +164,15 @@ def test_a_private_folder_whose_contents_are_ours_and_private_is_kept(run_dir, c
     assert "not trusted" not in caplog.text
 
 
+def test_a_socket_others_may_write_to_does_not_make_the_folder_untrusted(run_dir, caplog):
+    private_folder_with_our_records(run_dir)
+    os.chmod(os.path.join(run_dir, "workers.sock"), 0o775)  # bound under umask 0002
+    before = listing(run_dir)
+    with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
+        assert listing(run_dir) == before | {rundir.LOCK_NAME}
+    assert "not trusted" not in caplog.text
+
+
 def _plant_symlink(run_dir, elsewhere):
     os.symlink(elsewhere, os.path.join(run_dir, "pids", "102"))
     return "pids/102 is a symlink"
