@@ -21,40 +21,58 @@ Two kinds of bytes count against FRONT_BYTES_MAX:
 A read holds its room until its request has come whole, so streams opened
 and left silent would hold the room for as long as they stay open, and
 every other call would wait behind them. A read under way for
-SLOW_READ_SECONDS gives its room up as soon as a call waits for it: its
-task is cancelled, and read_request() refuses that call.
+SLOW_READ_SECONDS is ended as soon as a call waits for its room, and with
+`read_limit` (the control methods' budget) any read under way that long is.
+The budget does not cancel the reading task: it hands the read's owner (the
+call's context) to `end_read`, which ends the call from outside its handler
+(runtime/reading.py says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import time
+from collections.abc import Callable
+from typing import Any
 
 from runtime import status
 
 READ_LINE_MAX = 64
 # A request of the largest size comes whole in milliseconds from model-mesh in the same pod; a
-# read still under way after this long is a stalled or hostile client, or a very slow link.
-SLOW_READ_SECONDS = 2.0
+# read still under way after this long is a stalled or hostile client, or a slow link.
+SLOW_READ_SECONDS = 5.0
 
 Read = int  # a read under way, as try_start_reading() and start_reading() name it
+# end_read(owner, still_reading, seconds, past_limit): end the call that owns a read under way for
+# `seconds` (past read_limit, or slow while calls waited), if still_reading() says it has not ended.
+ReadEnder = Callable[[Any, Callable[[], bool], float, bool], None]
 
 
 class ByteBudget:
-    def __init__(self, per_model: int, total: int, largest_request: int):
+    def __init__(
+        self,
+        per_model: int,
+        total: int,
+        largest_request: int,
+        end_read: ReadEnder | None = None,
+        read_limit: float | None = None,
+    ):
         self.per_model = per_model
         self.total = total
         self.largest_request = largest_request
+        self.end_read = end_read
+        self.read_limit = read_limit  # seconds a read may last, whoever waits (None: no limit)
         self.held = 0
         self.reading = 0  # a largest_request for each read under way
         self._held_by_model: dict[str, int] = {}
-        self._readers: collections.deque[tuple[asyncio.Future, asyncio.Task | None]] = collections.deque()
-        # Reads under way, oldest first: when each began, and the task reading, to cancel it.
-        self._reads: dict[Read, tuple[float, asyncio.Task | None]] = {}
+        self._readers: collections.deque[tuple[asyncio.Future, Any]] = collections.deque()
+        # Reads under way, oldest first: when each began, and its owner, to end it.
+        self._reads: dict[Read, tuple[float, Any]] = {}
         self._read_ids = itertools.count()
-        self._gave_way: set[Read] = set()  # reads cancelled for a call waiting for their room
+        self._ended: set[Read] = set()  # reads handed to end_read, until they are done
         self._slow_reads_timer: asyncio.TimerHandle | None = None
 
     def held_by(self, model_id: str) -> int:
@@ -62,26 +80,26 @@ class ByteBudget:
 
     # -- reading ------------------------------------------------------------------
 
-    def try_start_reading(self) -> Read | None:
+    def try_start_reading(self, owner: Any = None) -> Read | None:
         """Reserves room for the largest allowed request at once, if it fits and nobody waits; else None."""
         if self._readers or not self._room_to_read():
             return None
-        return self._begin_read(asyncio.current_task())
+        return self._begin_read(owner)
 
-    async def start_reading(self) -> Read:
+    async def start_reading(self, owner: Any = None) -> Read:
         """Returns once a request of the largest allowed size fits.
 
         That much stays reserved until done_reading().
         """
-        read = self.try_start_reading()
+        read = self.try_start_reading(owner)
         if read is not None:
             return read
         if len(self._readers) >= READ_LINE_MAX:
             raise status.read_line_full(READ_LINE_MAX, self.total)
         turn = asyncio.get_running_loop().create_future()
-        place = (turn, asyncio.current_task())
+        place = (turn, owner)
         self._readers.append(place)
-        self._watch_slow_reads()
+        self._watch_reads()
         try:
             return await turn  # _let_readers_in began our read
         except BaseException:
@@ -93,19 +111,21 @@ class ByteBudget:
 
     def done_reading(self, read: Read) -> None:
         del self._reads[read]
-        if self._gave_way:
-            self._gave_way.discard(read)
+        if self._ended:
+            self._ended.discard(read)
         self.reading -= self.largest_request
         self._let_readers_in()
 
-    def gave_way(self, read: Read) -> bool:
-        """Whether `read` was cancelled to give its room to a call waiting for it."""
-        return read in self._gave_way
+    def ended(self, read: Read) -> bool:
+        """Whether `read` was handed to end_read."""
+        return read in self._ended
 
-    def _begin_read(self, task: asyncio.Task | None) -> Read:
+    def _begin_read(self, owner: Any) -> Read:
         read = next(self._read_ids)
-        self._reads[read] = (time.monotonic(), task)
+        self._reads[read] = (time.monotonic(), owner)
         self.reading += self.largest_request
+        if self.read_limit is not None and self._slow_reads_timer is None:
+            self._watch_reads()
         return read
 
     def _room_to_read(self) -> bool:
@@ -113,38 +133,53 @@ class ByteBudget:
 
     def _let_readers_in(self) -> None:
         while self._readers and self._room_to_read():
-            turn, task = self._readers.popleft()
+            turn, owner = self._readers.popleft()
             if not turn.done():
-                turn.set_result(self._begin_read(task))
+                turn.set_result(self._begin_read(owner))
         if self._readers and self._slow_reads_timer is None:
-            self._watch_slow_reads()  # the reads just begun may stall too
+            self._watch_reads()  # the reads just begun may stall too
 
     # -- reads that stall -----------------------------------------------------------
 
-    def _watch_slow_reads(self) -> None:
-        """While calls wait to be read, wakes when the oldest read under way turns slow."""
-        if self._slow_reads_timer is not None or not self._readers:
+    def _longest_wait(self) -> float | None:
+        """How long the oldest read may last now: read_limit, or less while calls wait for room that
+        no read already ended will give them; None: for ever."""
+        waiting = sum(not turn.done() for turn, _ in self._readers) > len(self._ended)
+        limits = [SLOW_READ_SECONDS] if waiting else []
+        if self.read_limit is not None:
+            limits.append(self.read_limit)
+        return min(limits, default=None)
+
+    def _watch_reads(self) -> None:
+        """Wakes when the oldest read under way has lasted as long as it may."""
+        longest = self._longest_wait()
+        if self._slow_reads_timer is not None or longest is None or self.end_read is None:
             return
-        oldest = next((began for read, (began, _) in self._reads.items() if read not in self._gave_way), None)
+        oldest = next((began for read, (began, _) in self._reads.items() if read not in self._ended), None)
         if oldest is None:
             return  # the room is held by requests being served: it comes back as they end
-        wait = max(0.001, oldest + SLOW_READ_SECONDS - time.monotonic())  # the loop's clock may run ahead
-        self._slow_reads_timer = asyncio.get_running_loop().call_later(wait, self._cancel_slow_reads)
+        wait = max(0.001, oldest + longest - time.monotonic())  # the loop's clock may run ahead
+        self._slow_reads_timer = asyncio.get_running_loop().call_later(wait, self._end_slow_reads)
 
-    def _cancel_slow_reads(self) -> None:
-        """Cancels the slow reads, oldest first, one for each call waiting in line."""
+    def _end_slow_reads(self) -> None:
+        """Ends, oldest first, the reads past read_limit, and slow reads until the calls in line
+        have room (each read ended gives its room back once its handler has let go of it)."""
         self._slow_reads_timer = None
-        waiting = sum(not turn.done() for turn, _ in self._readers)
+        assert self.end_read is not None  # _watch_reads() sets no timer without it
+        waiting = sum(not turn.done() for turn, _ in self._readers) - len(self._ended)
         now = time.monotonic()
-        for read, (began, task) in list(self._reads.items()):
-            if waiting == 0 or now - began < SLOW_READ_SECONDS:
+        for read, (began, owner) in list(self._reads.items()):
+            lasted = now - began
+            over_limit = self.read_limit is not None and lasted >= self.read_limit
+            if not over_limit and not (waiting > 0 and lasted >= SLOW_READ_SECONDS):
                 break  # the reads after this one began later
-            if read in self._gave_way or task is None:
+            if read in self._ended:
                 continue
-            self._gave_way.add(read)
-            task.cancel()  # its done_reading() lets the first caller in line in
+            self._ended.add(read)
             waiting -= 1
-        self._watch_slow_reads()
+            seconds = self.read_limit if over_limit and self.read_limit is not None else SLOW_READ_SECONDS
+            self.end_read(owner, functools.partial(self._reads.__contains__, read), seconds, over_limit)
+        self._watch_reads()
 
     # -- holding ------------------------------------------------------------------
 

@@ -127,7 +127,6 @@ class InferenceService(grpc.GenericRpcHandler):
                     response_serializer=lambda message: message.SerializeToString(),
                 ),
                 control or self.budget,
-                reading.CONTROL_READ_SECONDS if control else None,
             )
 
     def service(self, handler_call_details):

@@ -8,6 +8,14 @@ all but a window of it in the client (runtime/server.py sets the window). So
 every unary method is served as stream-unary: the handler first waits for
 room in the budget (runtime/budget.py), then reads the one request. Clients
 see an ordinary unary method.
+
+A read the budget gives up on (a silent stream: too long under way while
+other calls wait for its room, or past the control methods' limit) is ended
+by aborting its call from a task of its own, not by cancelling the handler:
+grpc frees a received request only as its receive returns to the handler,
+so a cancel landing in the turn the request came whole would leak it. Once
+the status is sent, the handler's read raises grpc's AbortError, which ends
+the handler quietly.
 """
 
 from __future__ import annotations
@@ -15,43 +23,30 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from runtime import status
-from runtime.budget import SLOW_READ_SECONDS, ByteBudget, Read
+from runtime.budget import ByteBudget, Read
 
 log = logging.getLogger("mesh.reading")
 
 # A control call's request (model-mesh's management API, health, the V2 server and model checks)
-# that has not come this long after the call began is refused: streams opened and left silent
+# that has not come this long after its read began is refused: streams opened and left silent
 # would hold the control methods' budget for as long as they stay open. Those requests are tiny.
 CONTROL_READ_SECONDS = 5.0
 
+_ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
-async def read_request(budget: ByteBudget, context, within: float | None = None) -> bytes:
-    """The call's request bytes, read once the budget has room for the largest allowed request;
-    INVALID_ARGUMENT if they do not come `within` seconds (None: as long as the call lasts), and
-    RESOURCE_EXHAUSTED if the read turned slow while other calls waited for its room."""
-    read = budget.try_start_reading()
+
+async def read_request(budget: ByteBudget, context) -> bytes:
+    """The call's request bytes, read once the budget has room for the largest allowed request."""
+    read = budget.try_start_reading(context)
     if read is None:
-        read = await _wait_to_read(budget, context.time_remaining())
+        read = await _wait_to_read(budget, context)
     try:
-        if within is None:  # the calls' path: no timer
-            request = await context.read()
-        else:
-            async with asyncio.timeout(within):
-                request = await context.read()
-    except TimeoutError:
-        raise status.request_not_sent(within or 0) from None
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is None or not budget.gave_way(read):
-            raise
-        task.uncancel()  # the budget cancelled it, to end this read: the call goes on, to its refusal
-        error = status.read_gave_way(SLOW_READ_SECONDS)
-        log.warning("refused a call from %s: %s", context.peer(), error.message)
-        raise error from None
+        request = await context.read()  # grpc's AbortError once end_read() has ended the call
     finally:
         budget.done_reading(read)
     if request is grpc.aio.EOF:
@@ -59,23 +54,42 @@ async def read_request(budget: ByteBudget, context, within: float | None = None)
     return request
 
 
-async def _wait_to_read(budget: ByteBudget, seconds_left: float | None) -> Read:
+async def _wait_to_read(budget: ByteBudget, context) -> Read:
     try:
-        async with asyncio.timeout(seconds_left):
-            return await budget.start_reading()
+        async with asyncio.timeout(context.time_remaining()):
+            return await budget.start_reading(context)
     except TimeoutError:
         raise status.deadline_passed_before_reading() from None
 
 
-def budgeted(
-    handler: grpc.RpcMethodHandler, budget: ByteBudget, within: float | None = None
-) -> grpc.RpcMethodHandler:
+def end_read(context, still_reading: Callable[[], bool], seconds: float, past_limit: bool) -> None:
+    """ByteBudget's end_read: ends the call whose read lasted `seconds` too long (see above)."""
+    error = status.request_not_sent(seconds) if past_limit else status.read_gave_way(seconds)
+    task = asyncio.get_running_loop().create_task(_abort_while_reading(context, still_reading, error))
+    _ending.add(task)
+    task.add_done_callback(_ended)
+
+
+async def _abort_while_reading(context, still_reading: Callable[[], bool], error: status.RpcError) -> None:
+    if not still_reading():
+        return  # its request came meanwhile: the call goes on
+    log.warning("refused a call from %s: %s", context.peer(), error.message)
+    await status.abort(context, error)
+
+
+def _ended(task: asyncio.Task) -> None:
+    _ending.discard(task)
+    if not task.cancelled() and not isinstance(task.exception(), grpc.aio.AbortError):
+        log.error("ending a call whose read lasted too long failed: %r", task.exception())
+
+
+def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:
     """The same method with one request, served as one that streams requests, so that its request
     is read under `budget`: unary-unary as stream-unary, unary-stream (health's Watch) as
     stream-stream.
 
     Methods that stream requests are returned as they are: their requests are
-    read one message at a time, when the servicer asks. `within`: see read_request().
+    read one message at a time, when the servicer asks.
     """
     if handler is None or handler.request_streaming:
         return handler
@@ -84,7 +98,7 @@ def budgeted(
         answer_stream = handler.unary_stream
 
         async def serve_stream(request_iterator, context):
-            answers = answer_stream(await _budgeted_request(budget, context, deserialize, within), context)
+            answers = answer_stream(await _budgeted_request(budget, context, deserialize), context)
             if inspect.isasyncgen(answers):
                 async for answer in answers:
                     await context.write(answer)
@@ -95,17 +109,17 @@ def budgeted(
     behaviour = handler.unary_unary
 
     async def serve(request_iterator, context):
-        answer = behaviour(await _budgeted_request(budget, context, deserialize, within), context)
+        answer = behaviour(await _budgeted_request(budget, context, deserialize), context)
         return await answer if inspect.isawaitable(answer) else answer
 
     return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
 
 
-async def _budgeted_request(budget: ByteBudget, context, deserialize, within: float | None):
+async def _budgeted_request(budget: ByteBudget, context, deserialize):
     """The call's request, read under `budget` and deserialised; the call is aborted when it cannot be."""
     request = None
     try:
-        request = await read_request(budget, context, within)
+        request = await read_request(budget, context)
         return request if deserialize is None else _deserialized(deserialize, request)
     except status.RpcError as error:
         del request  # the abort's traceback holds this frame: not the request with it

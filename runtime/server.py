@@ -164,7 +164,7 @@ class _Budgeted(grpc.GenericRpcHandler):
             found = self._handler.service(handler_call_details)
             if found is None:
                 return None  # an unknown name is not kept: clients choose those
-            self._served[method] = reading.budgeted(found, self._budget, reading.CONTROL_READ_SECONDS)
+            self._served[method] = reading.budgeted(found, self._budget)
         return self._served[method]
 
 
@@ -203,7 +203,9 @@ def build_server(
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
-    control = ByteBudget(limit, CONTROL_READS_AT_ONCE * limit, limit)
+    control = ByteBudget(
+        limit, CONTROL_READS_AT_ONCE * limit, limit, reading.end_read, reading.CONTROL_READ_SECONDS
+    )
     server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method, control)])
     generic_only = GenericHandlersOnly(server, control)
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(
@@ -269,7 +271,9 @@ async def serve(settings: Settings, stop_signals: StopSignals | None = None) -> 
 async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     """Starts everything, serves until `stop` is set, stops everything; returns the exit code."""
     supervisor = Supervisor(settings, Metrics())
-    budget = ByteBudget(settings.model_bytes_max, settings.front_bytes_max, settings.grpc_max_message_bytes)
+    budget = ByteBudget(
+        settings.model_bytes_max, settings.front_bytes_max, settings.grpc_max_message_bytes, reading.end_read
+    )
     dispatcher = Dispatcher(settings, supervisor, supervisor.pool, budget)
     health_servicer = HealthService()
     if settings.metrics_port:

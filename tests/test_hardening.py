@@ -15,7 +15,6 @@ from harness import MiB, Runtime, expect_status, mesh_headers, status_of, wait_u
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from protos import wire
-from runtime import budget as budget_module
 from runtime import dataplane, status
 from runtime.budget import READ_LINE_MAX, ByteBudget
 from runtime.server import CONTROL_READS_AT_ONCE, STREAM_WINDOW_BYTES
@@ -246,42 +245,6 @@ def test_a_read_given_up_on_as_another_ends_is_cancelled_and_leaves_nothing_rese
     assert asyncio.run(scenario()) == 0
 
 
-def test_a_slow_read_gives_its_room_up_only_to_a_call_waiting_for_it(monkeypatch):
-    monkeypatch.setattr(budget_module, "SLOW_READ_SECONDS", 0.2)
-    outcomes: dict[str, str] = {}
-
-    async def stalled_read(budget: ByteBudget, name: str) -> None:
-        """A read whose request never comes, ended the way read_request() ends one."""
-        read = await budget.start_reading()
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            outcomes[name] = "gave way" if budget.gave_way(read) else "cancelled"
-            raise
-        finally:
-            budget.done_reading(read)
-
-    async def scenario():
-        budget = ByteBudget(per_model=100, total=100, largest_request=50)
-        older = asyncio.ensure_future(stalled_read(budget, "older"))
-        await asyncio.sleep(0.05)
-        newer = asyncio.ensure_future(stalled_read(budget, "newer"))
-        await asyncio.sleep(0.3)
-        assert not older.done() and not newer.done(), "slow reads ended with nobody waiting"
-        waiting = asyncio.ensure_future(budget.start_reading())
-        read = await asyncio.wait_for(waiting, timeout=5)
-        await asyncio.sleep(0.05)
-        assert older.cancelled() and outcomes == {"older": "gave way"}  # one call waited: one read ended
-        assert not newer.done()
-        budget.done_reading(read)
-        newer.cancel()
-        await asyncio.sleep(0)
-        assert outcomes["newer"] == "cancelled"  # cancelled by its caller, not for another call
-        return budget.reading
-
-    assert asyncio.run(scenario()) == 0
-
-
 BUDGET_MIB = {"GRPC_MAX_MESSAGE_BYTES": 32, "MODEL_BYTES_MAX": 96, "FRONT_BYTES_MAX": 128}
 # What the front may hold beyond its idle size while 60 calls of 30 MiB arrive at once: the calls it
 # holds and reads (FRONT_BYTES_MAX), grpc's copy of each as it is read and ZeroMQ's as it is sent, and
@@ -412,16 +375,14 @@ def test_streams_that_never_send_their_request_hold_the_control_methods_for_seco
     stalled = [silent.future(_never_sent(release)) for _ in range(CONTROL_READS_AT_ONCE)]  # all its room
     try:
         time.sleep(0.5)  # their reads begin
-        # Answered (NOT_FOUND: no such model) once a silent stream gives its room up, not never.
+        # Answered (NOT_FOUND: no such model) once the silent streams' reads are refused, not never.
         unknown = mm.ModelSizeRequest(modelId="never-loaded")
         expect_status(grpc.StatusCode.NOT_FOUND, guarded.mesh.modelSize, unknown, timeout=30)
-        codes = sorted(call.exception(timeout=10).code().name for call in stalled)
-        # One gave its room up to modelSize; the other, with nobody waiting, ran into the control
-        # methods' own limit.
-        assert codes == ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
-        details = {call.exception().code().name: call.exception().details() for call in stalled}
-        assert f"within {reading.CONTROL_READ_SECONDS:g} s" in details["INVALID_ARGUMENT"]
-        assert "had not come whole" in details["RESOURCE_EXHAUSTED"]
+        for call in stalled:
+            assert call.exception(timeout=10).code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert f"within {reading.CONTROL_READ_SECONDS:g} s" in call.exception().details()
+        log = guarded.log()
+        assert "Unexpected" not in log and "read lasted too long failed" not in log
     finally:
         release.set()
 
@@ -441,7 +402,7 @@ def test_streams_that_never_send_their_request_give_the_calls_room_up_once_a_cal
             assert len(ended) == 1, "a silent stream was ended with no call waiting for its room"
             assert ended[0].exception().code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "had not come whole" in ended[0].exception().details()
-            assert "refused a call from" in runtime.log()
+            assert "refused a call from" in runtime.log() and "Traceback" not in runtime.log()
         finally:
             release.set()
 
