@@ -7,6 +7,7 @@ starts the fork server from its main thread, so "thread" means "process"
 here.
 """
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -23,6 +24,52 @@ def die_with_parent(expected_parent: int | None) -> None:
     # The parent may have died between fork and prctl: then we were re-parented.
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)
+
+
+# The pid of the process that last forked, as that process noted it just before: a child reads its
+# own copy to tell whether its parent is the process it was forked from (see below).
+_forked_by: int | None = None
+
+
+def _note_forking_process() -> None:
+    global _forked_by
+    _forked_by = os.getpid()
+
+
+def _die_with_the_forking_process() -> None:
+    die_with_parent(_forked_by)
+
+
+def children_die_with_this_process() -> None:
+    """Every process forked from here on (by os.fork: multiprocessing's fork context, say), and
+    those they fork in turn, gets SIGKILL when the one that forked it dies.
+
+    A worker's model may start helper processes; without this, killing the
+    worker for an unload left them running with their memory, and one that
+    held a fork server's pipe kept the front from stopping. A child that
+    execs (subprocess) forks in C and runs no hook: the front kills a
+    worker's whole process group for those (runtime/worker.py), and a worker
+    that exits by itself kills its children (kill_children()).
+    """
+    os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_the_forking_process)
+
+
+def kill_children() -> None:
+    """SIGKILL to each child of this process (what its model started), as it exits by itself.
+
+    Its children cannot be reaped, so their pids cannot be reused, until it
+    exits: the pids read here name them. A child forked by os.fork would die
+    with it anyway (above); one started by subprocess would not.
+    """
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{thread}/children") as listed:
+                children = listed.read().split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child), signal.SIGKILL)
 
 
 def forkserver_pid() -> int | None:

@@ -23,11 +23,14 @@ the pool's one spawner thread, so no two swaps overlap.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
 import os
+import signal
+import threading
 from collections.abc import Callable
 
 from plumbing import logsetup, titles
@@ -36,6 +39,8 @@ from workers import formats, protocol
 log = logging.getLogger("mesh.forkserver")
 
 BASE_GROUP = "base"
+# How long stop() waits for each fork server (and the resource tracker) before SIGKILL.
+STOP_SECONDS = 5.0
 FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework)
 # Frameworks that share one fork server: xgboost and lightgbm import scipy and
 # scikit-learn themselves, so fork servers of their own would each hold
@@ -134,14 +139,8 @@ class ForkServers:
         and it exits by itself once its pipe's last end closes.
         """
         tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
-        helpers = [*self._servers.values(), tracker]
-        for helper in helpers:
-            stop_helper = getattr(helper, "_stop", None)
-            if stop_helper is not None:
-                try:
-                    stop_helper()
-                except (OSError, ChildProcessError) as error:
-                    log.warning("stopping a multiprocessing helper: %s", error)
+        for helper in [*self._servers.values(), tracker]:
+            _stop_within(helper, STOP_SECONDS)
 
     def _note_pid(self, group: str, server: multiprocessing.forkserver.ForkServer) -> None:
         pid = getattr(server, "_forkserver_pid", None)
@@ -153,6 +152,39 @@ class ForkServers:
             self._pids[group] = pid
             log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
             self._on_started(pid)
+
+
+def _stop_within(helper, seconds: float) -> None:
+    """multiprocessing's own stop of a fork server or the resource tracker, which closes the
+    helper's pipe and waits for it with no limit; SIGKILL after `seconds`. A fork server exits
+    when its pipe closes, unless another process still holds the pipe: a process its worker's
+    model started, which inherited it and escaped dying with the worker."""
+    stop_helper = getattr(helper, "_stop", None)
+    if stop_helper is None:
+        return
+    pid = getattr(helper, "_forkserver_pid", None) or getattr(helper, "_pid", None)
+    try:
+        pidfd = os.pidfd_open(pid) if pid else None  # names this process, whatever reuses its pid
+    except ProcessLookupError:
+        pidfd = None
+    killer = threading.Timer(seconds, _kill_stuck, (pidfd, pid, seconds)) if pidfd is not None else None
+    if killer is not None:
+        killer.start()
+    try:
+        stop_helper()
+    except (OSError, ChildProcessError) as error:
+        log.warning("stopping a multiprocessing helper: %s", error)
+    finally:
+        if killer is not None and pidfd is not None:
+            killer.cancel()
+            killer.join()
+            os.close(pidfd)
+
+
+def _kill_stuck(pidfd: int, pid: int, seconds: float) -> None:
+    log.warning("multiprocessing helper %d did not stop within %g s: killing it", pid, seconds)
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
 
 def forget(process: multiprocessing.process.BaseProcess) -> None:

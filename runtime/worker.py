@@ -147,13 +147,23 @@ class Worker:
         """The metric label of its death: why the front killed it, or "crash"."""
         return self.kill_cause.value if self.kill_cause else CRASH_LABEL
 
-    def signal(self, signum: int) -> None:
-        """Sends a signal if the process may still be there; only the pool calls this."""
-        if self.pid is not None and self.alive:
-            try:
-                os.kill(self.pid, signum)
-            except ProcessLookupError:
-                pass  # already dead; the sentinel will tell
+    def signal(self, signum: int, whole_group: bool = False) -> None:
+        """Sends a signal if the process may still be there; only the pool calls this. With
+        `whole_group`, to its process group: the worker, and what its model started
+        (workers/main.py), if the worker is still the process it was."""
+        if self.pid is None or not self.alive:
+            return
+        identity = self.pid_identity
+        try:
+            if whole_group and identity and lifeline.is_running(identity):
+                try:
+                    os.killpg(self.pid, signum)
+                    return
+                except ProcessLookupError:
+                    pass  # no such group yet: signalled before it made its own
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass  # already dead; the sentinel will tell
 
     @property
     def pid(self) -> int | None:
@@ -174,7 +184,7 @@ class Worker:
         identity = self.pid_identity
         if self.kill_cause is KillCause.RECYCLED and identity and lifeline.is_running(identity):
             priority.schedule_process_as_idle_work(identity[0])
-        self.signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL, whole_group=True)
 
     def __repr__(self) -> str:
         if self.packed:

@@ -307,14 +307,80 @@ def test_only_a_recycled_pack_is_made_idle_work_before_its_sigkill(cause):
         pid_identity = lifeline.process_identity(child.pid)
         kill_cause = cause
 
-        def signal(self, signum):
-            seen.append((signum, os.sched_getscheduler(child.pid)))
+        def signal(self, signum, whole_group=False):
+            seen.append((signum, os.sched_getscheduler(child.pid), whole_group))
             child.send_signal(signum)
 
     try:
         Worker.kill_now(Dying())  # type: ignore[arg-type]
         idle = cause is KillCause.RECYCLED
-        assert seen == [(signal.SIGKILL, os.SCHED_IDLE if idle else os.SCHED_OTHER)]
+        assert seen == [(signal.SIGKILL, os.SCHED_IDLE if idle else os.SCHED_OTHER, True)]
     finally:
         child.kill()
         child.wait()
+
+
+# A model whose load starts helper processes: one by multiprocessing's fork, one by subprocess, and
+# when told to, one that leaves its worker's process group and stops dying with its parent, as a
+# daemon would. Each writes its pid into the folder.
+HELPERS_MODEL = """
+    import ctypes, multiprocessing, os, subprocess, time
+
+    def note(path, name, pid):
+        with open(os.path.join(path, name), "w") as f:
+            f.write(str(pid))
+
+    class Model:
+        def __init__(self, path):
+            self.forked = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+            self.forked.start()
+            note(path, "forked.pid", self.forked.pid)
+            self.executed = subprocess.Popen(["sleep", "600"])
+            note(path, "executed.pid", self.executed.pid)
+            if os.path.exists(os.path.join(path, "escape")):
+                pid = os.fork()
+                if pid == 0:
+                    os.setsid()
+                    ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG: none
+                    time.sleep(600)
+                    os._exit(0)
+                note(path, "escaped.pid", pid)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def _pids_in(folder: str, *names: str) -> list[int]:
+    pids = []
+    for name in names:
+        with open(os.path.join(folder, name)) as f:
+            pids.append(int(f.read()))
+    return pids
+
+
+def test_what_a_model_started_ends_with_its_worker():
+    with Runtime() as runtime:
+        folder = runtime.model_dir("helped", HELPERS_MODEL)
+        runtime.load("helped", folder)
+        helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid")]
+        runtime.unload("helped")
+        wait_until(lambda: not alive(helpers), timeout=10, what="the model's helpers to end with its worker")
+
+
+def test_a_front_told_to_stop_stops_while_a_helper_holds_its_fork_servers_pipe():
+    runtime = Runtime().start()
+    folder = runtime.model_dir("escaping", HELPERS_MODEL)
+    open(os.path.join(folder, "escape"), "w").close()
+    runtime.load("escaping", folder)
+    (escaped,) = _pids_in(folder, "escaped.pid")
+    try:
+        runtime.process.send_signal(signal.SIGTERM)
+        assert runtime.process.wait(forkserver.STOP_SECONDS + 20) == 0
+        assert "did not stop within" in runtime.log()
+    finally:
+        try:
+            os.kill(escaped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        runtime.stop()

@@ -63,7 +63,7 @@ class FakePool:
         return reply
 
     def kill(self, worker, cause, reason, grace=0.0) -> None:
-        worker.signal = lambda signum: None  # nothing to signal: the reaping below stands for it
+        worker.signal = lambda signum, whole_group=False: None  # the reaping below stands for it
         WorkerPool.kill(self, worker, cause, reason)
         self.reap(worker, -9)
 

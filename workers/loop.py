@@ -44,7 +44,7 @@ from typing import Any
 
 import zmq
 
-from plumbing import heap
+from plumbing import heap, lifeline
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from workers import batching, protocol, responses, rings, v2
@@ -253,6 +253,7 @@ class Worker:
         try:
             self.models.close_all()
         finally:
+            lifeline.kill_children()
             os._exit(0)
 
     def on_calls(self, calls: list[tuple[dict, list]]) -> list[list]:

@@ -9,6 +9,7 @@ costs nothing in a worker.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Any
 
@@ -17,6 +18,10 @@ from plumbing import lifeline, logsetup, priority, stacks, titles
 
 def run(config: dict[str, Any]) -> None:
     lifeline.die_with_parent(lifeline.forkserver_pid())
+    # Its own process group, which the front kills whole (runtime/worker.py kill_now()): with
+    # whatever its model started.
+    os.setpgid(0, 0)
+    lifeline.children_die_with_this_process()
     priority.set_oom_score_adj(priority.WORKER_OOM_SCORE_ADJ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's to handle
     titles.set_title("worker spare", config["runtime_dir"])
@@ -31,4 +36,7 @@ def run(config: dict[str, Any]) -> None:
 
     worker = Worker(config)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
-    worker.serve()
+    try:
+        worker.serve()
+    finally:
+        lifeline.kill_children()
