@@ -500,6 +500,20 @@ def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
         assert "over MODEL_PACK_MAX_BYTES" in rt.log()
 
 
+# A model that calls sys.exit() where a model may run code: its constructor when told to, predict.
+EXITING_MODEL = """
+    import os, sys
+
+    class Model:
+        def __init__(self, path):
+            if os.path.exists(os.path.join(path, "exit-at-load")):
+                sys.exit(3)
+
+        def predict(self, inputs):
+            sys.exit(4)
+"""
+
+
 def test_a_packed_model_that_raises_fails_only_its_own_calls():
     with packed() as rt:
         rt.load("echo", rt.model_dir("echo"))
@@ -507,6 +521,20 @@ def test_a_packed_model_that_raises_fails_only_its_own_calls():
         (pid,) = pack_pids(rt)
         error = expect_status(grpc.StatusCode.INTERNAL, rt.infer_fp32, "raising", [1.0])
         assert "cannot digest" in error.details(), error.details()
+        assert answers(rt, "echo") and pack_pids(rt) == {pid}, "the pack and its other model serve on"
+
+
+def test_a_packed_model_that_calls_sys_exit_fails_its_own_call_or_load_and_the_pack_serves_on():
+    with packed() as rt:
+        rt.load("echo", rt.model_dir("echo"))
+        rt.load("exiting", rt.model_dir("exiting", EXITING_MODEL))
+        (pid,) = pack_pids(rt)
+        error = expect_status(grpc.StatusCode.INTERNAL, rt.infer_fp32, "exiting", [1.0])
+        assert "SystemExit: 4" in error.details(), error.details()
+        folder = rt.model_dir("exiting-load", EXITING_MODEL)
+        open(os.path.join(folder, "exit-at-load"), "w").close()
+        error = expect_status(grpc.StatusCode.FAILED_PRECONDITION, rt.load, "exiting-load", folder)
+        assert "SystemExit: 3" in error.details(), error.details()
         assert answers(rt, "echo") and pack_pids(rt) == {pid}, "the pack and its other model serve on"
 
 

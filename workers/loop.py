@@ -312,7 +312,7 @@ class Worker:
             return [protocol.error_reply(request_id, protocol.ERROR_INVALID_INPUT, str(error))]
         except _Unimplemented as error:
             return [protocol.error_reply(request_id, protocol.ERROR_UNIMPLEMENTED, str(error))]
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # sys.exit() in model code fails its call alone
             log.exception(
                 "model %s raised while serving %s", held.model_id, method, extra={"model_id": held.model_id}
             )
@@ -387,7 +387,7 @@ class Worker:
                 # Alike calls: the first one's parameters and requested outputs are everyone's.
                 outputs = self._predict(group[0], batching.stacked_inputs(group))
                 shares = batching.split_outputs(group, outputs)
-            except Exception as error:
+            except (Exception, SystemExit) as error:
                 log.info(
                     "a batch of %d calls failed (%s: %s); running them one by one",
                     len(group),

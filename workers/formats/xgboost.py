@@ -53,7 +53,8 @@ class XGBoostModel:
         self.sample = self._predict(np.zeros((1, self.n_features), dtype=np.float32))
 
     def _predict(self, rows: np.ndarray) -> np.ndarray:
-        if self.dense is not None and rows.dtype in DensePredictor.DTYPES:
+        # No rows: the C function is handed no data and fails; inplace_predict answers no rows.
+        if self.dense is not None and rows.dtype in DensePredictor.DTYPES and len(rows):
             return self.dense.predict(rows)
         # inplace_predict skips building a DMatrix and is safe from several threads.
         return self.booster.inplace_predict(rows)
