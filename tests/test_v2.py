@@ -202,6 +202,20 @@ def test_raw_bytes_elements_are_length_prefixed():
     assert array.ravel().tolist() == elements
 
 
+def test_raw_bool_bytes_other_than_0_and_1_are_true():
+    array = decode_one(raw_request(("x", "BOOL", [4], bytes([0, 1, 2, 255]))))
+    assert array.dtype == np.bool_ and array.tobytes() == bytes([0, 1, 1, 1])
+
+
+def test_an_input_with_contents_in_a_request_with_raw_input_contents_is_invalid_input():
+    request = raw_request(("x", "FP32", [1], np.float32(1.0).tobytes()))
+    request.inputs[0].contents.fp32_contents.append(2.0)
+    with pytest.raises(v2.InvalidInput, match="has contents, and the request raw_input_contents"):
+        v2.decode_request(request)
+    del request.inputs[0].contents.fp32_contents[:]  # present but empty, as some clients send it
+    assert decode_one(request).tolist() == [1.0]
+
+
 def test_raw_inputs_keep_their_order_and_names():
     a = np.arange(3, dtype="<i4")
     b = np.array([0.5, 1.5], dtype="<f8")

@@ -146,6 +146,8 @@ def _element_count(name: str, shape: tuple[int, ...]) -> int:
 def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
     datatype = tensor.datatype
     dtype, _ = _datatype(tensor.name, datatype)
+    if tensor.HasField("contents") and tensor.contents.ByteSize():  # which? Triton refuses it too
+        raise InvalidInput(f"input {tensor.name!r} has contents, and the request raw_input_contents")
     if datatype == "BYTES":
         return _bytes_elements(tensor.name, data, count)
     expected = count * dtype.itemsize
@@ -157,6 +159,8 @@ def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
     array = np.frombuffer(data, dtype=dtype)
     if datatype == "BF16":
         array = (array.astype(np.uint32) << 16).view(np.float32)
+    elif datatype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
+        array = array.view(np.uint8) != 0  # a byte numpy would keep as it is: any but 0 is true
     return array
 
 
