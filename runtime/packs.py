@@ -32,8 +32,8 @@ unload, a format's emptiest pack may be compacted into the others
 (runtime/repacking.py).
 
 A pack that dies takes only its own models down; the supervisor heals them
-into other packs and counts the crash against the models that had calls
-in it (runtime/supervisor.py).
+into other packs and counts the crash against the model whose code it was
+running (blamed(), runtime/healing.py).
 """
 
 from __future__ import annotations

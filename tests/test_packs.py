@@ -500,16 +500,20 @@ def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
         assert "over MODEL_PACK_MAX_BYTES" in rt.log()
 
 
-# A model that calls sys.exit() where a model may run code: its constructor when told to, predict.
+# A model that calls sys.exit() where a model may run code: its constructor when told to, predict;
+# or, told to, raises another exception that is not an Exception.
 EXITING_MODEL = """
-    import os, sys
+    import asyncio, os, sys
 
     class Model:
         def __init__(self, path):
+            self.path = path
             if os.path.exists(os.path.join(path, "exit-at-load")):
                 sys.exit(3)
 
         def predict(self, inputs):
+            if os.path.exists(os.path.join(self.path, "cancelled")):
+                raise asyncio.CancelledError("by the model")
             sys.exit(4)
 """
 
@@ -535,6 +539,11 @@ def test_a_packed_model_that_calls_sys_exit_fails_its_own_call_or_load_and_the_p
         open(os.path.join(folder, "exit-at-load"), "w").close()
         error = expect_status(grpc.StatusCode.FAILED_PRECONDITION, rt.load, "exiting-load", folder)
         assert "SystemExit: 3" in error.details(), error.details()
+        folder = rt.model_dir("cancelling", EXITING_MODEL)
+        open(os.path.join(folder, "cancelled"), "w").close()
+        rt.load("cancelling", folder)
+        error = expect_status(grpc.StatusCode.INTERNAL, rt.infer_fp32, "cancelling", [1.0])
+        assert "CancelledError: by the model" in error.details(), error.details()
         assert answers(rt, "echo") and pack_pids(rt) == {pid}, "the pack and its other model serve on"
 
 

@@ -87,7 +87,7 @@ class Holdings:
         started = time.monotonic()
         try:
             model = self._load(header["format"], header["path"])
-        except (Exception, SystemExit) as error:  # sys.exit() in a constructor fails the load, not the pack
+        except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             log.warning(
                 "load of %s failed: %s: %s",
                 model_id,
@@ -133,7 +133,7 @@ class Holdings:
         if held is not None:
             try:
                 held.model.close()
-            except (Exception, SystemExit):
+            except BaseException:
                 log.exception("close() of %s raised", model_id, extra={"model_id": model_id})
             del held
         self._title()

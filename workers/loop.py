@@ -213,10 +213,8 @@ class Worker:
                     self.send(reply)
                 calls = []
                 self.mark_running(header.get("model_id"))  # a load, or a drop and its model's close()
-                try:
-                    reply = self.handlers[op](header, payloads)
-                finally:
-                    self.mark_running(None)
+                reply = self.handlers[op](header, payloads)
+                self.mark_running(None)  # not if it raised: the worker dies of it, that model's doing
                 self.send(reply)
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
@@ -284,10 +282,9 @@ class Worker:
             return refusal or []  # _refusal() answers every call without a model
         request = payloads[0] if payloads else b""
         self.mark_running(held.model_id)
-        try:
-            return self._answer(held, request_id, method, self._dispatch, held, request_id, method, request)
-        finally:
-            self.mark_running(None)
+        reply = self._answer(held, request_id, method, self._dispatch, held, request_id, method, request)
+        self.mark_running(None)
+        return reply
 
     def _refusal(self, header: dict, held: Held | None) -> list | None:
         """The reply to a call that must not run (its model not here, deadline passed), else None."""
@@ -312,7 +309,7 @@ class Worker:
             return [protocol.error_reply(request_id, protocol.ERROR_INVALID_INPUT, str(error))]
         except _Unimplemented as error:
             return [protocol.error_reply(request_id, protocol.ERROR_UNIMPLEMENTED, str(error))]
-        except (Exception, SystemExit) as error:  # sys.exit() in model code fails its call alone
+        except BaseException as error:  # sys.exit() and the like in model code fail its call alone
             log.exception(
                 "model %s raised while serving %s", held.model_id, method, extra={"model_id": held.model_id}
             )
@@ -375,10 +372,9 @@ class Worker:
         held = group[0].held  # a group's calls are for one model (batching.groups)
         assert held is not None  # _decoded_for_batch() decodes only calls for a held model
         self.mark_running(held.model_id)
-        try:
-            return self._predict_alike(held, group)
-        finally:
-            self.mark_running(None)
+        replies = self._predict_alike(held, group)
+        self.mark_running(None)
+        return replies
 
     def _predict_alike(self, held: Held, group: list[batching.InferCall]) -> dict[int, list]:
         shares: Sequence[dict | None] = [None] * len(group)  # None: the call predicts on its own
@@ -387,7 +383,7 @@ class Worker:
                 # Alike calls: the first one's parameters and requested outputs are everyone's.
                 outputs = self._predict(group[0], batching.stacked_inputs(group))
                 shares = batching.split_outputs(group, outputs)
-            except (Exception, SystemExit) as error:
+            except BaseException as error:
                 log.info(
                     "a batch of %d calls failed (%s: %s); running them one by one",
                     len(group),
