@@ -15,6 +15,7 @@ model-mesh that nothing was loaded):
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -30,6 +31,8 @@ MAX_MODEL_ID_BYTES = 1024
 _CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 # A model folder with more entries than this is refused rather than walked.
 MAX_MODEL_FILES = 10000
+# The endings of what an import loads: .py, .pyc, and extension modules.
+_MODULE_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +73,23 @@ def resolve(
 
 
 def _holds_modules(path: str) -> bool:
-    """Whether the folder of the model at `path` (model.py, or the folder holding it) holds a
-    Python module besides it: a .py file, an extension module, or a folder with .py files in it
-    (a package, or a namespace package)."""
+    """Whether the folder of the model at `path` (model.py, or the folder holding it) holds Python
+    code besides it that an import could find: a module (source, compiled or extension), or a
+    folder named like a package with such a module anywhere under it (namespace packages too)."""
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     for entry in os.scandir(os.path.dirname(source)):
         if entry.path == source or entry.name == "__pycache__":
             continue
-        if entry.is_file() and entry.name.endswith((".py", ".so", ".pyc")):
+        if entry.is_file() and entry.name.endswith(_MODULE_SUFFIXES):
             return True
-        if entry.is_dir() and any(name.endswith(".py") for name in os.listdir(entry.path)):
+        if entry.is_dir() and entry.name.isidentifier() and _holds_code(entry.path):
+            return True
+    return False
+
+
+def _holds_code(folder: str) -> bool:
+    for _, _, files in os.walk(folder, followlinks=True):  # unreadable folders are skipped, as in _walk
+        if any(name.endswith(_MODULE_SUFFIXES) for name in files):
             return True
     return False
 

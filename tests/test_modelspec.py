@@ -62,6 +62,10 @@ def test_missing_framework_is_failed_precondition_naming_the_extra(settings):
         ({"model.py": 10, "lib/__init__.py": 10}, True),
         ({"model.py": 10, "lib/util.py": 10}, True),  # a namespace package
         ({"model.py": 10, "data/table.csv": 10, "__pycache__/model.cpython-311.pyc": 10}, False),
+        ({"model.py": 10, "ns/sub/__init__.py": 10}, True),  # a namespace package holding a package
+        ({"model.py": 10, "native/fast.abi3.so": 10}, True),
+        ({"model.py": 10, "compiled/__init__.pyc": 10}, True),
+        ({"model.py": 10, "my-data/notes.py": 10}, False),  # no import can name that folder
     ],
 )
 def test_a_custom_model_with_python_modules_beside_its_model_py_is_told_apart(settings, files, brings):

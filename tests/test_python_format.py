@@ -139,6 +139,20 @@ def test_each_model_imports_the_helper_modules_beside_its_own_model_py(tmp_path,
             model.close()
 
 
+def test_a_packed_model_imports_nothing_from_any_models_folder(tmp_path, compiled):
+    # The front packs only models with no modules beside model.py. Should it miss one, importing
+    # it fails; on sys.path it would be found for every packed model that imports that name.
+    before = list(sys.path)
+    with pytest.raises(ModuleNotFoundError):
+        python.load(helped_model(tmp_path / "missed", 1), shared=True)
+    packed = python.load(write_model(str(tmp_path / "packed"), FAILING_MODEL), shared=True)
+    try:
+        assert sys.path == before, "a packed model's load changed sys.path"
+    finally:
+        packed.close()
+    assert sys.path == before
+
+
 def test_a_models_folder_leaves_sys_path_once_no_model_loaded_from_it_is_held(tmp_path, compiled):
     path, importers = list(sys.path), set(sys.path_importer_cache)
     folders = [write_model(str(tmp_path / f"m{i}"), FAILING_MODEL) for i in range(3)]

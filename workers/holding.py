@@ -121,11 +121,11 @@ class Holdings:
                 self._idle_loader = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="load", initializer=_become_idle_work
                 )
-            return self._idle_loader.submit(formats.load, format_name, path).result()
+            return self._idle_loader.submit(formats.load, format_name, path, True).result()
         if not fmt.loads_on_any_thread:
             with yielding.giving_way():
-                return formats.load(format_name, path)
-        return formats.load(format_name, path)
+                return formats.load(format_name, path, shared=True)
+        return formats.load(format_name, path, shared=True)
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]

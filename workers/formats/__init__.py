@@ -50,8 +50,8 @@ class Format:
     # model's own first predict (docs/density.md). A pack has it in its base:
     # what its models' calls add after its last load.
     first_calls_bytes: int = 384 * KiB
-    # The worker puts the model's folder on sys.path (a custom model's helper modules beside its
-    # model.py): see runtime/modelspec.py, ModelSpec.brings_modules.
+    # A worker of its own puts the model's folder on sys.path (a custom model's helper modules
+    # beside its model.py); a pack does not: see runtime/modelspec.py, ModelSpec.brings_modules.
     imports_from_its_folder: bool = False
 
     def matches(self, file_name: str) -> bool:
@@ -180,9 +180,11 @@ def pack_loads_at_idle_priority(fmt: Format, threads: int) -> bool:
     return fmt.loads_on_any_thread and threads == 1
 
 
-def load(format_name: str, path: str):
-    """Worker side: load the model at `path` with its format's module."""
+def load(format_name: str, path: str, shared: bool = False):
+    """Worker side: load the model at `path` with its format's module; `shared`: into a pack,
+    which other models share (a custom model's folder then stays off sys.path)."""
     fmt = by_name(format_name)
     if fmt is None:
         raise ValueError(f"unknown model format {format_name!r}")
-    return importlib.import_module(fmt.module).load(path)
+    module = importlib.import_module(fmt.module)
+    return module.load(path, shared=shared) if fmt.imports_from_its_folder else module.load(path)

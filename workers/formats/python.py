@@ -36,7 +36,8 @@ _folders_held: collections.Counter[str] = collections.Counter()
 _folders_found_on_path: set[str] = set()
 
 
-def load(path: str) -> PythonModel:
+def load(path: str, shared: bool = False) -> PythonModel:
+    """The model at `path`; `shared` (in a pack): its folder is not put on sys.path."""
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     folder = os.path.dirname(os.path.abspath(source))
     spec = importlib.util.spec_from_file_location("mesh_custom_model", source)
@@ -45,8 +46,10 @@ def load(path: str) -> PythonModel:
     code, forget_compiled = _code_of(source)
     # Helper modules next to model.py are importable, as a user would expect. Such a model gets a
     # worker of its own (the front's ModelSpec.brings_modules): in a pack, a module imported after
-    # the load would come from whichever model's folder is first on sys.path.
-    _hold_on_path(folder)
+    # the load would come from whichever model's folder is first on sys.path. So a pack puts no
+    # model's folder there: should the front miss a module, importing it fails, and the model with it.
+    if not shared:
+        _hold_on_path(folder)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
 
@@ -55,7 +58,8 @@ def load(path: str) -> PythonModel:
         place on sys.path, and the bytes."""
         if sys.modules.get(spec.name) is module:
             del sys.modules[spec.name]
-        _release_from_path(folder)
+        if not shared:
+            _release_from_path(folder)
         if forget_compiled is not None:
             forget_compiled()
 
