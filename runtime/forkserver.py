@@ -33,7 +33,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from plumbing import logsetup, titles
+from plumbing import lifeline, logsetup, titles
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.forkserver")
@@ -163,11 +163,8 @@ def _stop_within(helper, seconds: float) -> None:
     if stop_helper is None:
         return
     pid = getattr(helper, "_forkserver_pid", None) or getattr(helper, "_pid", None)
-    try:
-        pidfd = os.pidfd_open(pid) if pid else None  # names this process, whatever reuses its pid
-    except ProcessLookupError:
-        pidfd = None
-    killer = threading.Timer(seconds, _kill_stuck, (pidfd, pid, seconds)) if pidfd is not None else None
+    identity = lifeline.process_identity(pid) if pid else None  # names it, whatever reuses its pid
+    killer = threading.Timer(seconds, _kill_stuck, (identity, seconds)) if identity else None
     if killer is not None:
         killer.start()
     try:
@@ -175,16 +172,18 @@ def _stop_within(helper, seconds: float) -> None:
     except (OSError, ChildProcessError) as error:
         log.warning("stopping a multiprocessing helper: %s", error)
     finally:
-        if killer is not None and pidfd is not None:
+        if killer is not None:
             killer.cancel()
             killer.join()
-            os.close(pidfd)
 
 
-def _kill_stuck(pidfd: int, pid: int, seconds: float) -> None:
-    log.warning("multiprocessing helper %d did not stop within %g s: killing it", pid, seconds)
-    with contextlib.suppress(ProcessLookupError):
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+def _kill_stuck(identity: tuple[int, int], seconds: float) -> None:
+    """SIGKILL, if the process `identity` names still runs (its start time tells a reused pid)."""
+    pid, _ = identity
+    if lifeline.is_running(identity):
+        log.warning("multiprocessing helper %d did not stop within %g s: killing it", pid, seconds)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def forget(process: multiprocessing.process.BaseProcess) -> None:

@@ -11,8 +11,7 @@ one (runtime/forkserver.py), which imported numpy, those frameworks and the work
 each fork server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py); `take()`
 hands out one of the model's fork server and a background refill forks the next.
 
-The pool also owns the beat file (runtime/beats.py): a worker has a slot in it from spawn until
-reaped, which the heartbeat (runtime/heartbeat.py) reads to find hung workers.
+The pool owns the beat file (runtime/beats.py): a worker has a slot from spawn until reaped.
 
 A worker's death is seen at once: the event loop watches its process sentinel (a pipe the fork
 server writes the exit code to once it has reaped the child), never a polling loop. `Worker.exited`
@@ -128,8 +127,7 @@ class WorkerPool:
     # -- handing out workers --------------------------------------------------
 
     async def take(self, format_name: str) -> Worker:
-        """A connected idle worker for a model of `format_name`, now owned by the caller
-        (who must kill it in the end)."""
+        """A connected idle worker for a model of `format_name`, the caller's (to kill in the end)."""
         group = forkserver.group_for(format_name, self.settings.worker_preload)
         while (worker := self._spares.pop(group)) is None:
             if self._at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
@@ -357,6 +355,8 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         code = await loop.run_in_executor(self._spawner, self._collect_exit, worker)
         self._workers.pop(worker.identity, None)
+        if all(other.pid != worker.pid for other in self._workers.values()):  # its pid is no new worker's
+            worker.end_what_it_started()
         if worker.beat_slot is not None:
             worker.last_running = self.beats.running(worker.beat_slot)
             self.beats.free(worker.beat_slot)  # reaped: nothing stamps it any more

@@ -19,6 +19,7 @@ takes further loads, and drops, while SERVING the models it has.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import multiprocessing
 import os
@@ -154,8 +155,10 @@ class Worker:
         if self.pid is None or not self.alive:
             return
         identity = self.pid_identity
+        if identity and not lifeline.is_running(identity):
+            return  # already dead (the sentinel will tell), its pid perhaps another process's now
         try:
-            if whole_group and identity and lifeline.is_running(identity):
+            if whole_group:
                 try:
                     os.killpg(self.pid, signum)
                     return
@@ -175,6 +178,14 @@ class Worker:
         gave to another process after this one was reaped is never taken for it."""
         self._pid = pid
         self.pid_identity = lifeline.process_identity(pid) if pid is not None else None
+
+    def end_what_it_started(self) -> None:
+        """Once reaped: SIGKILL to what is left of its process group, what its model started (if it
+        died of a crash or the OOM killer, say). While the group has a member its number is no
+        other process's; with none left, no group has it unless a new process took the pid."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
 
     def kill_now(self) -> None:
         """SIGKILL; only the pool calls this. A recycled pack is made idle work first: the kernel

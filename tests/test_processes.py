@@ -366,6 +366,12 @@ def test_what_a_model_started_ends_with_its_worker():
         helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid")]
         runtime.unload("helped")
         wait_until(lambda: not alive(helpers), timeout=10, what="the model's helpers to end with its worker")
+        # A worker killed from outside (the OOM killer, say): the front ends what is left of its group.
+        runtime.load("crashing", runtime.model_dir("crashing", HELPERS_MODEL))
+        folder = os.path.join(runtime.models, "crashing")
+        helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid")]
+        os.kill(runtime.worker_for("crashing").pid, signal.SIGKILL)
+        wait_until(lambda: not alive(helpers), timeout=10, what="the helpers of a killed worker to end")
 
 
 def test_a_front_told_to_stop_stops_while_a_helper_holds_its_fork_servers_pipe():
