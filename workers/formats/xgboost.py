@@ -53,8 +53,11 @@ class XGBoostModel:
         self.sample = self._predict(np.zeros((1, self.n_features), dtype=np.float32))
 
     def _predict(self, rows: np.ndarray) -> np.ndarray:
-        # No rows: the C function is handed no data and fails; inplace_predict answers no rows.
-        if self.dense is not None and rows.dtype in DensePredictor.DTYPES and len(rows):
+        if not len(rows) and hasattr(self, "sample"):
+            # The C function fails on no data, and inplace_predict answers a multi-class model's
+            # no rows as (0,), not as (0, classes) as it answers rows and metadata() says.
+            return np.empty((0, *self.sample.shape[1:]), dtype=self.sample.dtype)
+        if self.dense is not None and rows.dtype in DensePredictor.DTYPES:
             return self.dense.predict(rows)
         # inplace_predict skips building a DMatrix and is safe from several threads.
         return self.booster.inplace_predict(rows)
