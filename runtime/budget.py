@@ -74,6 +74,7 @@ class ByteBudget:
         self._read_ids = itertools.count()
         self._ended: set[Read] = set()  # reads handed to end_read, until they are done
         self._slow_reads_timer: asyncio.TimerHandle | None = None
+        self._slow_reads_due = 0.0  # when that timer fires (time.monotonic())
 
     def held_by(self, model_id: str) -> int:
         return self._held_by_model.get(model_id, 0)
@@ -153,12 +154,18 @@ class ByteBudget:
     def _watch_reads(self) -> None:
         """Wakes when the oldest read under way has lasted as long as it may."""
         longest = self._longest_wait()
-        if self._slow_reads_timer is not None or longest is None or self.end_read is None:
+        if longest is None or self.end_read is None:
             return
         oldest = next((began for read, (began, _) in self._reads.items() if read not in self._ended), None)
         if oldest is None:
             return  # the room is held by requests being served: it comes back as they end
-        wait = max(0.001, oldest + longest - time.monotonic())  # the loop's clock may run ahead
+        due = oldest + longest
+        if self._slow_reads_timer is not None:
+            if self._slow_reads_due <= due:
+                return
+            self._slow_reads_timer.cancel()  # set for read_limit; a call in line now wants it sooner
+        self._slow_reads_due = due
+        wait = max(0.001, due - time.monotonic())  # the loop's clock may run ahead
         self._slow_reads_timer = asyncio.get_running_loop().call_later(wait, self._end_slow_reads)
 
     def _end_slow_reads(self) -> None:

@@ -79,8 +79,13 @@ async def _abort_while_reading(context, still_reading: Callable[[], bool], error
 
 def _ended(task: asyncio.Task) -> None:
     _ending.discard(task)
-    if not task.cancelled() and not isinstance(task.exception(), grpc.aio.AbortError):
-        log.error("ending a call whose read lasted too long failed: %r", task.exception())
+    error = None if task.cancelled() else task.exception()
+    if error is None or isinstance(error, grpc.aio.AbortError):
+        return  # not needed (its request came), or done: abort() raises once the status is sent
+    if isinstance(error, grpc.aio.InternalError):  # the call ended meanwhile (client gone, deadline)
+        log.debug("a call whose read lasted too long ended before its abort: %r", error)
+    else:
+        log.error("ending a call whose read lasted too long failed: %r", error)
 
 
 def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:

@@ -139,7 +139,7 @@ def test_a_read_past_the_budgets_limit_is_ended_with_nobody_waiting():
     assert asyncio.run(scenario()) == 0
 
 
-def test_a_call_whose_request_came_before_its_abort_could_run_goes_on():
+def test_a_call_whose_request_came_before_its_abort_could_run_goes_on(caplog):
     async def scenario():
         call = FakeCall()
         reading.end_read(call, lambda: False, SLOW, False)  # the budget's timer, as the read ended
@@ -147,6 +147,61 @@ def test_a_call_whose_request_came_before_its_abort_could_run_goes_on():
         return call.status
 
     assert asyncio.run(scenario()) is None
+    assert not caplog.records, "a call that needed no abort was logged"
+
+
+def test_slow_reads_are_ended_one_after_another_as_calls_come_and_the_timer_does_not_spin(
+    monkeypatch,
+):
+    fired = []
+    end_slow_reads = ByteBudget._end_slow_reads
+
+    def counted(budget):
+        fired.append(budget)
+        end_slow_reads(budget)
+
+    monkeypatch.setattr(ByteBudget, "_end_slow_reads", counted)
+
+    async def scenario():
+        budget = budget_for(reads=2)
+        first, second, third, fourth = (FakeCall() for _ in range(4))
+        reads = [reading_task(budget, first)]
+        await asyncio.sleep(0.05)
+        reads.append(reading_task(budget, second))
+        await asyncio.sleep(0)
+        reads.append(reading_task(budget, third))  # in line: the first is ended at SLOW
+        await asyncio.sleep(SLOW)
+        assert first.status is not None and second.status is None
+        reads.append(reading_task(budget, fourth))  # in line: the second is ended at its SLOW
+        await asyncio.sleep(0.1)
+        assert second.status is not None, "a second slow read was not ended for a second call"
+        for call in (third, fourth):
+            call.arrive()
+        assert [await reads[2], await reads[3]] == [b"request", b"request"]
+        for ended in reads[:2]:
+            with pytest.raises(grpc.aio.AbortError):
+                await ended
+        return budget.reading
+
+    assert asyncio.run(scenario()) == 0
+    assert len(fired) <= 4, f"the slow-read timer fired {len(fired)} times for two reads ended"
+
+
+def test_a_call_in_line_does_not_wait_for_a_longer_read_limit(monkeypatch):
+    async def scenario():
+        budget = budget_for(reads=1, read_limit=10 * SLOW)  # its timer is set for read_limit
+        first, second = FakeCall(), FakeCall()
+        first_read = reading_task(budget, first)
+        await asyncio.sleep(0.01)
+        second_read = reading_task(budget, second)  # wants the first ended at SLOW
+        await asyncio.sleep(SLOW + 0.1)
+        assert first.status is not None and first.status[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AbortError):
+            await first_read
+        second.arrive()
+        assert await second_read == b"request"
+
+    asyncio.run(scenario())
 
 
 def test_a_read_its_caller_gives_up_on_gives_its_room_back_and_ends_nothing():
