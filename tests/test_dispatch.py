@@ -335,7 +335,7 @@ def test_a_kill_keeps_its_first_cause_and_only_hurries_a_second_time():
     async def scenario():
         worker = serving_worker()
         signals = []
-        worker.signal = signals.append
+        worker.signal = lambda signum, whole_group=False: signals.append(signum)
         pool = FakePool()
         pool.kill(worker, KillCause.UNLOAD, "m is unloaded", 2.0)
         pool.kill(worker, KillCause.HUNG, "hung")

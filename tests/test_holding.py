@@ -54,9 +54,11 @@ def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo):
 
 def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_else(monkeypatch):
     policies: list[int] = []
+    shares: list[bool] = []
 
-    def recording_load(format_name: str, path: str):
+    def recording_load(format_name: str, path: str, shared: bool = False):
         policies.append(os.sched_getscheduler(0))  # of the calling thread alone
+        shares.append(shared)
         return types.SimpleNamespace(close=lambda: None)
 
     monkeypatch.setattr(formats, "load", recording_load)
@@ -72,12 +74,13 @@ def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_
     assert policy_of("b", "sklearn", pack=False) != os.SCHED_IDLE, "a worker of its own"
     assert policy_of("c", "sklearn", pack=True, threads=2) != os.SCHED_IDLE, "pools would inherit it"
     assert policy_of("d", "python", pack=True) != os.SCHED_IDLE, "a custom model's own thread"
+    assert shares == [True, False, True, True], "a pack's loads are told the process is shared"
 
 
 def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(monkeypatch):
     giving_way: list[bool] = []
 
-    def recording_load(format_name: str, path: str):
+    def recording_load(format_name: str, path: str, shared: bool = False):
         giving_way.append(signal.getsignal(yielding.GIVE_WAY_SIGNAL) is yielding._give_way)
         return types.SimpleNamespace(close=lambda: None)
 

@@ -18,8 +18,7 @@ before it polls again, so calls that arrived together may share one predict
 queued one without waiting).
 
 Every wake of the loop stamps the worker's slot of the beat file, and an idle
-worker wakes every `beat_ms` only for that: the front reads the stamps to find
-hung workers (runtime/heartbeat.py) without a message crossing the socket. A
+worker wakes only for that every so often (workers/beatslot.py). A
 call that carried a big buffer leaves free heap that glibc keeps for the next
 one (plumbing/heap.py): the first wake with nothing to read after it gives that
 heap back, so a worker keeps it only while its calls flow.
@@ -48,29 +47,17 @@ from plumbing import heap, lifeline
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from workers import batching, protocol, responses, rings, v2
+from workers.beatslot import BeatSlot
 from workers.frontwatch import FrontWatch
 from workers.holding import Held, Holdings
 
 log = logging.getLogger("mesh.worker")
 
-# How often an idle worker beats when the config does not say; the pool passes
-# a fraction of WORKER_HEARTBEAT_TIMEOUT_MS.
-BEAT_MS = 5000
-# Idle workers beat in groups of BEAT_GROUP slots, each group at the same
-# instants: waking many processes at once costs each a fraction of waking it
-# alone, and groups BEAT_GROUP_GAP_MS apart keep every burst short.
-BEAT_GROUP = 250
-BEAT_GROUP_GAP_MS = 100
-
 
 class Worker:
     def __init__(self, config: dict[str, Any]):
         self.front_watch = FrontWatch(config.get("front"), config["heartbeat_timeout"])
-        self.beat_ms = config.get("beat_ms", BEAT_MS)
-        self.beats = protocol.map_beats(config.get("beats"))
-        self.beat_slot = config.get("beat_slot", 0)
-        self.beat_index = protocol.beat_index(self.beat_slot)
-        self.running_index = protocol.running_index(self.beat_slot)
+        self.beats = BeatSlot(config)
         self.heap_to_trim = False  # a big buffer came or went since the heap was last given back
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
@@ -98,43 +85,29 @@ class Worker:
     def serve(self) -> None:
         for request in v2.sample_requests():  # its first call then finds the pages it writes copied
             self._infer_reply(call := self._decode(0, request), call.inputs)
-        self.beat()
+        self.beats.beat()
         self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
         self.front_watch.start(time.monotonic())
         while True:
             # One zmq_poll both finds what is queued and waits when nothing is:
             # each readiness check costs system calls (poll, and ZeroMQ's own
             # poll and getpid), so none is repeated.
-            ready = self.waiter.wait(self.ms_to_next_beat())
+            ready = self.waiter.wait(self.beats.ms_to_next_beat())
             if not ready and self.heap_to_trim:
                 self.give_heap_back()
             if self.socket in ready:
                 self.receive_queued()
             if self.pool is not None and self.replies in ready:
                 self.forward_replies()
-            if self.front_watch.gone(ready, self.beat()):
+            if self.front_watch.gone(ready, self.beats.beat()):
                 log.error("the front is gone; exiting")
                 return
 
-    def beat(self) -> float:
-        """Stamps this worker's slot with the time, which it returns: the front reads it."""
-        now = time.monotonic()
-        self.beats[self.beat_index] = now
-        return now
-
     def mark_running(self, model_id: str | None) -> None:
-        """Says in the beat file which model's code a pack's main thread runs now (None: none), so
-        that a pack's death counts against that model alone (runtime/packs.py blamed()). Call
-        threads mark nothing: several models may run at once."""
+        """Says in the beat file which model's code a pack's main thread runs now (None: none).
+        Call threads mark nothing: several models may run at once."""
         if self.models.packed and self.pool is None:
-            tag = protocol.model_tag(model_id) if model_id else protocol.NOTHING_RUNNING
-            self.beats[self.running_index] = tag
-
-    def ms_to_next_beat(self) -> int:
-        """Until the next instant of this worker's group: every beat_ms, shifted by the group's gap."""
-        shift = self.beat_slot // BEAT_GROUP * BEAT_GROUP_GAP_MS
-        # + 1: zmq_poll may end a fraction of a millisecond early, which must not cost a second wake.
-        return self.beat_ms - (int(time.monotonic() * 1000) - shift) % self.beat_ms + 1
+            self.beats.mark_running(model_id)
 
     def give_heap_back(self) -> None:
         """Calls stopped after a big one: the free heap they left goes back to the OS."""
