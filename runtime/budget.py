@@ -117,10 +117,6 @@ class ByteBudget:
         self.reading -= self.largest_request
         self._let_readers_in()
 
-    def ended(self, read: Read) -> bool:
-        """Whether `read` was handed to end_read."""
-        return read in self._ended
-
     def _begin_read(self, owner: Any) -> Read:
         read = next(self._read_ids)
         self._reads[read] = (time.monotonic(), owner)
