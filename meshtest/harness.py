@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 from collections.abc import Iterable
 
 import grpc
@@ -37,6 +38,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def scrape_metrics(runtime: Runtime) -> str:
+    """The runtime's Prometheus page (it must have been started with METRICS_PORT set to a free port)."""
+    port = runtime.env["METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def metric_sample(text: str, name: str, **labels) -> float:
+    """The value of the sample `name` with exactly these labels in a scraped page."""
+    want = sorted(f'{key}="{value}"' for key, value in labels.items())
+    for line in text.splitlines():
+        if line.startswith(name + ("{" if labels else " ")):
+            metric, value = line.rsplit(" ", 1)
+            if not labels or sorted(metric[len(name) :].strip("{}").split(",")) == want:
+                return float(value)
+    raise AssertionError(f"no sample {name}{{{','.join(want)}}}")
 
 
 def uss(pid: int) -> int:

@@ -24,8 +24,8 @@ every other call would wait behind them. A read under way for
 SLOW_READ_SECONDS is ended as soon as a call waits for its room, and with
 `read_limit` (the control methods' budget) any read under way that long is.
 The budget does not cancel the reading task: it hands the read's owner (the
-call's context) to `end_read`, which ends the call from outside its handler
-(runtime/reading.py says why).
+call, as runtime/reading.py's Caller) to `end_read`, which ends the call
+from outside its handler (runtime/reading.py says why).
 """
 
 from __future__ import annotations

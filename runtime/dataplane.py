@@ -165,7 +165,8 @@ class InferenceService(grpc.GenericRpcHandler):
         started = time.perf_counter()
         model_id, request = header_id, b""
         try:
-            request = await reading.read_request(self.budget, context)
+            ended = functools.partial(self._read_ended, model_id, label, started)
+            request = await reading.read_request(self.budget, context, ended)
             if not model_id:
                 model_id = model_id_in_request(request)
             response = await self.dispatcher.call(model_id, method, request, context.time_remaining())
@@ -187,6 +188,10 @@ class InferenceService(grpc.GenericRpcHandler):
         when it would pass a limit): grpc keeps it until the client has read it all."""
         self.budget.reserve(model_id, size)
         context.add_done_callback(lambda _: self.budget.release(model_id, size))
+
+    def _read_ended(self, model_id: str, label: str, started: float, error: status.RpcError) -> None:
+        """The budget ended the call's read: its handler ends with grpc's abort, past any tally."""
+        self._observe(model_id, label, error.code.name, started)
 
     def _observe(self, model_id: str, label: str, code: str, started: float) -> None:
         if self.supervisor.is_known(model_id):  # ids of unknown models come from clients: not a label

@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -40,11 +41,25 @@ CONTROL_READ_SECONDS = 5.0
 _ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
 
-async def read_request(budget: ByteBudget, context) -> bytes:
-    """The call's request bytes, read once the budget has room for the largest allowed request."""
-    read = budget.try_start_reading(context)
+class Caller(NamedTuple):
+    """What owns a read in the budget: the call, and whom to tell when its read is ended (the data
+    plane counts the call in its metrics, which it cannot do once grpc has ended the handler)."""
+
+    context: Any
+    ended: Callable[[status.RpcError], None] | None = None
+
+
+async def read_request(
+    budget: ByteBudget, context, ended: Callable[[status.RpcError], None] | None = None
+) -> bytes:
+    """The call's request bytes, read once the budget has room for the largest allowed request.
+
+    ended(error): called as the budget ends the read, just before the call is aborted with `error`.
+    """
+    caller = Caller(context, ended)
+    read = budget.try_start_reading(caller)
     if read is None:
-        read = await _wait_to_read(budget, context)
+        read = await _wait_to_read(budget, caller)
     try:
         request = await context.read()  # grpc's AbortError once end_read() has ended the call
     finally:
@@ -54,27 +69,31 @@ async def read_request(budget: ByteBudget, context) -> bytes:
     return request
 
 
-async def _wait_to_read(budget: ByteBudget, context) -> Read:
+async def _wait_to_read(budget: ByteBudget, caller: Caller) -> Read:
     try:
-        async with asyncio.timeout(context.time_remaining()):
-            return await budget.start_reading(context)
+        async with asyncio.timeout(caller.context.time_remaining()):
+            return await budget.start_reading(caller)
     except TimeoutError:
         raise status.deadline_passed_before_reading() from None
 
 
-def end_read(context, still_reading: Callable[[], bool], seconds: float, past_limit: bool) -> None:
+def end_read(caller: Caller, still_reading: Callable[[], bool], seconds: float, past_limit: bool) -> None:
     """ByteBudget's end_read: ends the call whose read lasted `seconds` too long (see above)."""
     error = status.request_not_sent(seconds) if past_limit else status.read_gave_way(seconds)
-    task = asyncio.get_running_loop().create_task(_abort_while_reading(context, still_reading, error))
+    task = asyncio.get_running_loop().create_task(_abort_while_reading(caller, still_reading, error))
     _ending.add(task)
     task.add_done_callback(_ended)
 
 
-async def _abort_while_reading(context, still_reading: Callable[[], bool], error: status.RpcError) -> None:
+async def _abort_while_reading(
+    caller: Caller, still_reading: Callable[[], bool], error: status.RpcError
+) -> None:
     if not still_reading():
         return  # its request came meanwhile: the call goes on
-    log.warning("refused a call from %s: %s", context.peer(), error.message)
-    await status.abort(context, error)
+    log.warning("refused a call from %s: %s", caller.context.peer(), error.message)
+    if caller.ended is not None:
+        caller.ended(error)  # first: abort() sends the status, and the client may then read the metrics
+    await status.abort(caller.context, error)
 
 
 def _ended(task: asyncio.Task) -> None:

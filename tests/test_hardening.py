@@ -10,7 +10,17 @@ import time
 import grpc
 import psutil
 import pytest
-from harness import MiB, Runtime, expect_status, mesh_headers, status_of, wait_until
+from harness import (
+    MiB,
+    Runtime,
+    expect_status,
+    free_port,
+    mesh_headers,
+    metric_sample,
+    scrape_metrics,
+    status_of,
+    wait_until,
+)
 
 from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
@@ -389,7 +399,8 @@ def test_streams_that_never_send_their_request_hold_the_control_methods_for_seco
 
 def test_streams_that_never_send_their_request_give_the_calls_room_up_once_a_call_waits():
     whole = 17825792  # GRPC_MAX_MESSAGE_BYTES: room to read two calls at once
-    with Runtime(FRONT_BYTES_MAX=str(2 * whole), MODEL_BYTES_MAX=str(whole)) as runtime:
+    room = {"FRONT_BYTES_MAX": str(2 * whole), "MODEL_BYTES_MAX": str(whole)}
+    with Runtime(**room, METRICS_PORT=str(free_port())) as runtime:
         runtime.load("m", runtime.model_dir("m"))
         release = threading.Event()
         silent = runtime.channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
@@ -403,6 +414,10 @@ def test_streams_that_never_send_their_request_give_the_calls_room_up_once_a_cal
             assert ended[0].exception().code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "had not come whole" in ended[0].exception().details()
             assert "refused a call from" in runtime.log() and "Traceback" not in runtime.log()
+            counted = {"model": "m", "method": "ModelInfer"}
+            metrics = scrape_metrics(runtime)
+            assert metric_sample(metrics, "mesh_requests_total", code="RESOURCE_EXHAUSTED", **counted) == 1
+            assert metric_sample(metrics, "mesh_requests_total", code="OK", **counted) == 1
         finally:
             release.set()
 

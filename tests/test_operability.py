@@ -5,11 +5,20 @@ import os
 import subprocess
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
-from harness import REPO, Runtime, alive, expect_status, free_port, mesh_headers, wait_until
+from harness import (
+    REPO,
+    Runtime,
+    alive,
+    expect_status,
+    free_port,
+    mesh_headers,
+    metric_sample,
+    scrape_metrics,
+    wait_until,
+)
 
 from protos import grpc_predict_v2_pb2 as v2
 
@@ -48,7 +57,6 @@ def script(name, *args, env=None):
 def ops():
     port = free_port()
     with Runtime(METRICS_PORT=str(port), MODEL_REPLICAS="2", WORKERS_WARM="2") as runtime:
-        runtime.metrics_port = port
         yield runtime
 
 
@@ -132,22 +140,6 @@ def test_kill_worker_kills_and_the_model_heals(ops):
     ops.unload("kill-model")
 
 
-def scrape(runtime) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{runtime.metrics_port}/metrics", timeout=10) as answer:
-        return answer.read().decode()
-
-
-def sample(text: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(name + ("{" if labels else " ")):
-            metric, value = line.rsplit(" ", 1)
-            got = metric[len(name) :].strip("{}")
-            if not labels or sorted(got.split(",")) == sorted(want.split(",")):
-                return float(value)
-    raise AssertionError(f"no sample {name}{{{want}}}")
-
-
 def test_metrics_after_traffic(ops):
     ops.load("metered", ops.model_dir("metered", HELD))
     for _ in range(3):
@@ -155,24 +147,22 @@ def test_metrics_after_traffic(ops):
     bad = v2.ModelInferRequest(model_name="metered")
     bad.inputs.add(name="x", datatype="NOPE", shape=[1])
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, ops.infer.ModelInfer, bad)
-    text = scrape(ops)
-    assert sample(text, "mesh_requests_total", model="metered", method="ModelInfer", code="OK") == 3
-    assert (
-        sample(text, "mesh_requests_total", model="metered", method="ModelInfer", code="INVALID_ARGUMENT")
-        == 1
-    )
-    assert sample(text, "mesh_request_seconds_count", model="metered", method="ModelInfer") == 4
-    assert sample(text, "mesh_loads_total", outcome="ok") >= 1
-    assert sample(text, "mesh_load_seconds_count", outcome="ok") >= 1
-    assert sample(text, "mesh_model_memory_bytes", model="metered") > 1_000_000
-    assert sample(text, "mesh_model_ready_replicas", model="metered") == 2
-    assert sample(text, "mesh_queue_depth", model="metered") == 0
-    assert sample(text, "mesh_capacity_bytes") > sample(text, "mesh_capacity_used_bytes") > 0
-    assert sample(text, "mesh_warm_spares") >= 0
+    text = scrape_metrics(ops)
+    calls = {"model": "metered", "method": "ModelInfer"}
+    assert metric_sample(text, "mesh_requests_total", code="OK", **calls) == 3
+    assert metric_sample(text, "mesh_requests_total", code="INVALID_ARGUMENT", **calls) == 1
+    assert metric_sample(text, "mesh_request_seconds_count", **calls) == 4
+    assert metric_sample(text, "mesh_loads_total", outcome="ok") >= 1
+    assert metric_sample(text, "mesh_load_seconds_count", outcome="ok") >= 1
+    assert metric_sample(text, "mesh_model_memory_bytes", model="metered") > 1_000_000
+    assert metric_sample(text, "mesh_model_ready_replicas", model="metered") == 2
+    assert metric_sample(text, "mesh_queue_depth", model="metered") == 0
+    assert metric_sample(text, "mesh_capacity_bytes") > metric_sample(text, "mesh_capacity_used_bytes") > 0
+    assert metric_sample(text, "mesh_warm_spares") >= 0
     ops.unload("metered")
-    text = scrape(ops)
+    text = scrape_metrics(ops)
     assert 'model="metered"' not in text, "an unloaded model's series stayed"
-    assert sample(text, "mesh_unloads_total") >= 1
+    assert metric_sample(text, "mesh_unloads_total") >= 1
 
 
 def test_json_logs_one_object_per_line_with_model_id():

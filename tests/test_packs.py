@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import urllib.request
 
 import grpc
 import psutil
@@ -26,6 +25,8 @@ from harness import (
     allocating_model,
     expect_status,
     free_port,
+    metric_sample,
+    scrape_metrics,
     wait_until,
 )
 
@@ -280,13 +281,6 @@ def test_small_models_share_packs_each_answers_and_unloading_all_ends_them():
         assert not pack_pids(rt) and not any(psutil.pid_exists(pid) for pid in before)
 
 
-def metric(rt: Runtime, name: str) -> float:
-    port = rt.env["METRICS_PORT"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-        lines = answer.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
-
-
 def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_returns():
     with packed(METRICS_PORT=str(free_port())) as rt:
         for model_id in ("a", "b"):
@@ -300,12 +294,13 @@ def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_r
         assert fresh != old
         assert answers(rt, "a") and answers(rt, "b"), "the survivors moved to the fresh pack"
         assert "recycling" in rt.log()
-        assert metric(rt, "mesh_pack_recycle_seconds_count") == 1
-        assert metric(rt, "mesh_pack_models_moved_total") == 2
+        assert metric_sample(scrape_metrics(rt), "mesh_pack_recycle_seconds_count") == 1
+        assert metric_sample(scrape_metrics(rt), "mesh_pack_models_moved_total") == 2
         # The first model moved in is not judged by the module the fresh pack's first load
         # imported for all, which no drop gives back, but by what it added in its old pack.
         rt.unload("a")
-        assert pack_pids(rt) == {fresh} and metric(rt, "mesh_pack_recycle_seconds_count") == 1
+        assert pack_pids(rt) == {fresh}
+        assert metric_sample(scrape_metrics(rt), "mesh_pack_recycle_seconds_count") == 1
 
 
 def test_a_recycle_whose_fresh_pack_cannot_load_the_survivors_ends_it_and_they_heal():
@@ -643,7 +638,7 @@ def test_packs_that_unloads_left_half_empty_are_compacted_and_every_model_answer
         assert not psutil.pid_exists(gone), "the emptied pack is reaped before unloadModel returns"
         assert all(answers(rt, f"m{i}") for i in (2, 3, 6, 7))
         assert "compacted: 2 of its 2 models moved" in rt.log()
-        assert metric(rt, "mesh_pack_models_moved_total") == 2
+        assert metric_sample(scrape_metrics(rt), "mesh_pack_models_moved_total") == 2
         # What the moved models were charged moved with them.
         (pack,) = [row for row in inspected(rt)["workers"] if row["role"] == "pack"]
         assert sorted(m["model"] for m in pack["models"]) == ["m2", "m3", "m6", "m7"]

@@ -142,7 +142,8 @@ def test_a_read_past_the_budgets_limit_is_ended_with_nobody_waiting():
 def test_a_call_whose_request_came_before_its_abort_could_run_goes_on(caplog):
     async def scenario():
         call = FakeCall()
-        reading.end_read(call, lambda: False, SLOW, False)  # the budget's timer, as the read ended
+        # the budget's timer, as the read ended
+        reading.end_read(reading.Caller(call), lambda: False, SLOW, False)
         await asyncio.sleep(0.01)
         return call.status
 
