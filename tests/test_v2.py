@@ -202,6 +202,14 @@ def test_raw_bytes_elements_are_length_prefixed():
     assert array.ravel().tolist() == elements
 
 
+@pytest.mark.parametrize("elements", [[], [b""] * 5, [bytes([n % 251]) * (n % 7) for n in range(1000)]])
+def test_raw_bytes_elements_of_any_count_and_length_come_back_as_sent(elements):
+    array = decode_one(raw_request(("x", "BYTES", [len(elements)], raw_bytes_elements(elements))))
+    assert array.shape == (len(elements),)
+    assert all(type(element) is bytes for element in array)
+    assert array.tolist() == elements
+
+
 def test_raw_bool_bytes_other_than_0_and_1_are_true():
     array = decode_one(raw_request(("x", "BOOL", [4], bytes([0, 1, 2, 255]))))
     assert array.dtype == np.bool_ and array.tobytes() == bytes([0, 1, 1, 1])
@@ -296,6 +304,21 @@ ERROR_CASES = [
         raw_request(("x", "BYTES", [3], raw_bytes_elements([b"a", b"b"]))),
         ("'x'", "3 BYTES elements", "2"),
         id="raw-bytes-element-count",
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [1], raw_bytes_elements([b"a", b"b"]))),
+        ("'x'", "1 BYTES elements", "more"),
+        id="raw-bytes-more-elements-than-the-shape",
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [3], raw_bytes_elements([b"a", b"b"]) + b"\x01")),
+        ("'x'", "cut short", "byte 10"),
+        id="raw-bytes-header-cut-short-after-whole-elements",
+    ),
+    pytest.param(
+        raw_request(("x", "BYTES", [2], raw_bytes_elements([b"", b""]) + b"\x01\x00")),
+        ("'x'", "2 BYTES elements", "2 bytes after"),
+        id="raw-bytes-bytes-after-the-shapes-count",
     ),
     pytest.param(
         typed_request(("x", "FP16", [1], "fp32_contents", [1.0])),
@@ -493,6 +516,16 @@ def test_bytes_and_str_outputs_round_trip_as_bytes(raw):
     assert arrays["mixed"].tolist() == [b"s", b"b"]
 
 
+@pytest.mark.parametrize("count", [responses._INTERLEAVE_FROM - 1, responses._INTERLEAVE_FROM, 1000])
+def test_raw_bytes_outputs_of_any_count_and_length_round_trip(count):
+    elements = [bytes([n % 256]) * (n % 300) for n in range(count - 1)] + [b"\x01" * 70_000]
+    value = np.empty((count,), dtype=object)
+    value[:] = elements
+    response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), {"y": value}, True))
+    assert len(response.raw_output_contents[0]) == 4 * count + sum(map(len, elements))
+    assert arrays["y"].tolist() == elements
+
+
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_object_output_of_numpy_text_scalars_is_bytes(raw):
     value = np.array([np.str_("ü"), np.bytes_(b"b"), "", b""], dtype=object)
@@ -507,6 +540,7 @@ OBJECT_OUTPUT_ERRORS = [
     pytest.param(np.array([[b"a", "b"], ["c", 2.5]], dtype=object), "float", "(1, 1)", id="2-D"),
     pytest.param(np.array([b"a", np.int64(3)], dtype=object), "int64", "1", id="numpy-int"),
     pytest.param(np.array([b"a", bytearray(b"b")], dtype=object), "bytearray", "1", id="bytearray"),
+    pytest.param(np.array([b"a"] * 99 + [None], dtype=object), "NoneType", "99", id="None-after-bytes"),
     pytest.param(np.array({"k": "v"}, dtype=object), "dict", "0", id="0-D"),
 ]
 
