@@ -165,8 +165,8 @@ class InferenceService(grpc.GenericRpcHandler):
         started = time.perf_counter()
         model_id, request = header_id, b""
         try:
-            ended = functools.partial(self._read_ended, model_id, label, started)
-            request = await reading.read_request(self.budget, context, ended)
+            about = (model_id, label, started)  # for _read_ended()
+            request = await reading.read_request(self.budget, context, self._read_ended, about)
             if not model_id:
                 model_id = model_id_in_request(request)
             response = await self.dispatcher.call(model_id, method, request, context.time_remaining())
@@ -189,7 +189,7 @@ class InferenceService(grpc.GenericRpcHandler):
         self.budget.reserve(model_id, size)
         context.add_done_callback(lambda _: self.budget.release(model_id, size))
 
-    def _read_ended(self, model_id: str, label: str, started: float, error: status.RpcError) -> None:
+    def _read_ended(self, error: status.RpcError, model_id: str, label: str, started: float) -> None:
         """The budget ended the call's read: its handler ends with grpc's abort, past any tally."""
         self._observe(model_id, label, error.code.name, started)
 

@@ -24,7 +24,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
@@ -41,22 +41,17 @@ CONTROL_READ_SECONDS = 5.0
 _ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
 
-class Caller(NamedTuple):
-    """What owns a read in the budget: the call, and whom to tell when its read is ended (the data
-    plane counts the call in its metrics, which it cannot do once grpc has ended the handler)."""
+# ended(error, *about): told as the budget ends a read, before its call is aborted with `error`
+# (the data plane counts the call in its metrics, which it cannot once grpc has ended the handler).
+Ended = Callable[..., None]
+# What owns a read in the budget: (the call's context, ended or None, about). A plain tuple: one
+# is made for every call.
+Caller = tuple[Any, Ended | None, tuple]
 
-    context: Any
-    ended: Callable[[status.RpcError], None] | None = None
 
-
-async def read_request(
-    budget: ByteBudget, context, ended: Callable[[status.RpcError], None] | None = None
-) -> bytes:
-    """The call's request bytes, read once the budget has room for the largest allowed request.
-
-    ended(error): called as the budget ends the read, just before the call is aborted with `error`.
-    """
-    caller = Caller(context, ended)
+async def read_request(budget: ByteBudget, context, ended: Ended | None = None, about: tuple = ()) -> bytes:
+    """The call's request bytes, read once the budget has room for the largest allowed request."""
+    caller: Caller = (context, ended, about)
     read = budget.try_start_reading(caller)
     if read is None:
         read = await _wait_to_read(budget, caller)
@@ -71,7 +66,7 @@ async def read_request(
 
 async def _wait_to_read(budget: ByteBudget, caller: Caller) -> Read:
     try:
-        async with asyncio.timeout(caller.context.time_remaining()):
+        async with asyncio.timeout(caller[0].time_remaining()):
             return await budget.start_reading(caller)
     except TimeoutError:
         raise status.deadline_passed_before_reading() from None
@@ -90,10 +85,11 @@ async def _abort_while_reading(
 ) -> None:
     if not still_reading():
         return  # its request came meanwhile: the call goes on
-    log.warning("refused a call from %s: %s", caller.context.peer(), error.message)
-    if caller.ended is not None:
-        caller.ended(error)  # first: abort() sends the status, and the client may then read the metrics
-    await status.abort(caller.context, error)
+    context, ended, about = caller
+    log.warning("refused a call from %s: %s", context.peer(), error.message)
+    if ended is not None:
+        ended(error, *about)  # first: abort() sends the status, and the client may then read the metrics
+    await status.abort(context, error)
 
 
 def _ended(task: asyncio.Task) -> None:

@@ -143,7 +143,7 @@ def test_a_call_whose_request_came_before_its_abort_could_run_goes_on(caplog):
     async def scenario():
         call = FakeCall()
         # the budget's timer, as the read ended
-        reading.end_read(reading.Caller(call), lambda: False, SLOW, False)
+        reading.end_read((call, None, ()), lambda: False, SLOW, False)
         await asyncio.sleep(0.01)
         return call.status
 
