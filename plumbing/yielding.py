@@ -31,9 +31,7 @@ import logging
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 GIVE_WAY_EVERY_S = 0.0005
 GIVE_WAY_SIGNAL = signal.SIGRTMAX - 1
@@ -66,48 +64,15 @@ log = logging.getLogger("mesh.worker")
 _refusal_logged = False
 
 
-class TookTooLong(BaseException):
-    """Raised once into a block of giving_way() that runs past its `at_most`, inside interruptible().
-    Not an Exception: a model's own `except Exception` must not take it for its own error."""
-
-
-_interruptible = 0  # how deep the main thread is in interruptible() blocks
+def _give_way(signum, frame) -> None:
+    os.sched_yield()
 
 
 @contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Where giving_way()'s `at_most` may end the work: around a model's own code, so that the
-    clean-ups around it always run whole."""
-    global _interruptible
-    _interruptible += 1
-    try:
-        yield
-    finally:
-        _interruptible -= 1
-
-
-def _handler(at_most: float | None) -> Callable[[int, Any], None]:
-    deadline = None if at_most is None else time.monotonic() + at_most
-
-    def give_way(signum: int, frame: Any) -> None:
-        nonlocal deadline
-        if deadline is not None and _interruptible and time.monotonic() >= deadline:
-            deadline = None  # once: work that swallows it anyway runs on, giving way
-            raise TookTooLong(f"still running after {at_most:g} s")
-        os.sched_yield()
-
-    return give_way
-
-
-@contextlib.contextmanager
-def giving_way(every_s: float = GIVE_WAY_EVERY_S, at_most: float | None = None) -> Iterator[None]:
+def giving_way(every_s: float = GIVE_WAY_EVERY_S) -> Iterator[None]:
     """Yields the CPU every `every_s` while the block runs; on the main thread only (Python runs
     signal handlers there), elsewhere, or where the kernel refuses the timer, the block just runs.
-    GIVE_WAY_SIGNAL is the block's while it runs: whatever handled it before gets it back.
-
-    at_most: seconds after which TookTooLong is raised into the block once it is in
-    interruptible() (where it runs Python, or as a sleep or a blocking call of Python's own
-    returns), to end work that holds up others."""
+    GIVE_WAY_SIGNAL is the block's while it runs: whatever handled it before gets it back."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -115,7 +80,7 @@ def giving_way(every_s: float = GIVE_WAY_EVERY_S, at_most: float | None = None) 
     timer = ctypes.c_void_p()
     armed = False
     try:
-        signal.signal(GIVE_WAY_SIGNAL, _handler(at_most))
+        signal.signal(GIVE_WAY_SIGNAL, _give_way)
         # The work's system calls restart after the handler rather than fail with EINTR.
         signal.siginterrupt(GIVE_WAY_SIGNAL, False)
         armed = _arm(timer, every_s)

@@ -160,7 +160,6 @@ class Healer:
         worker = None
         try:
             async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
-                # No slow_after: it loaded in a pack before, and is healed wherever it fits.
                 worker, reply, _ = await self.packs.load(model, avoid=model.workers)
         except status.RpcError as error:  # WORKERS_MAX: no process to heal into
             reply = {"ok": False, "message": error.message}

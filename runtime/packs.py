@@ -81,10 +81,6 @@ CALLS_GRACE_SECONDS = 2.0
 CALLS_CHECK_SECONDS = 0.001
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
-# How long a new model's load may hold up its pack's other models (a custom model loads on the
-# thread that serves them): past it, the load is ended and the model gets a worker of its own
-# (runtime/supervisor.py). Heals and moves reload models that once loaded, with no limit.
-SLOW_LOAD_SECONDS = 1.0
 
 
 class Pack:
@@ -173,17 +169,16 @@ class Packs:
 
     # -- loading ----------------------------------------------------------------------
 
-    async def load(
-        self, model: Model, avoid: list[Worker], slow_after: float = 0
-    ) -> tuple[Worker, dict, int]:
-        """Loads the model into a pack (not one in `avoid`); (its worker, the reply, bytes charged),
-        the charge 0 when the load failed. Raises PeerGone if the pack dies. slow_after: seconds
-        after which a pack holding other models ends the load (ERROR_SLOW_IN_PACK); 0: never."""
+    async def load(self, model: Model, avoid: list[Worker]) -> tuple[Worker, dict, int]:
+        """Loads the model into a pack (not one in `avoid`); (its worker, the reply, bytes charged).
+
+        The charge is 0 when the load failed. Raises PeerGone if the pack dies.
+        """
         while True:
             pack = await self._place(model, avoid)
             async with pack.lock:
                 if pack.open and model.model_id in pack.members:
-                    reply, size = await self._load_into(pack, model, slow_after)
+                    reply, size = await self._load_into(pack, model)
                     return pack.worker, reply, size
             pack.members.pop(model.model_id, None)  # recycled or emptied while we waited: again
 
@@ -215,7 +210,7 @@ class Packs:
         group = forkserver.group_for(format_name, self.settings.worker_preload)
         return any(worker.group == group for worker in self.pool.spares())
 
-    async def _load_into(self, pack: Pack, model: Model, slow_after: float) -> tuple[dict, int]:
+    async def _load_into(self, pack: Pack, model: Model) -> tuple[dict, int]:
         """Holding the pack's lock: load, measured from outside before and after."""
         worker = pack.worker
         if not pack.base_bytes:
@@ -223,7 +218,7 @@ class Packs:
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
         before = memory.anonymous(worker.pid)
-        reply = await self.send_load(pack, model, slow_after)
+        reply = await self.send_load(pack, model)
         if reply["ok"]:
             # Charged at once: a drop must follow even if the measuring is cancelled.
             pack.charged[model.model_id] = PACKED_MODEL_MIN_BYTES
@@ -251,10 +246,10 @@ class Packs:
             pack.calls_bytes = model.spec.format.first_calls_bytes
         return reply
 
-    async def send_load(self, pack: Pack, model: Model, slow_after: float = 0) -> dict:
-        worker, model_id, spec = pack.worker, model.model_id, model.spec
+    async def send_load(self, pack: Pack, model: Model) -> dict:
+        model_id, spec = model.model_id, model.spec
         try:
-            return await self.pool.send_load(worker, model_id, spec.format.name, spec.path, True, slow_after)
+            return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
         except asyncio.CancelledError:
             # The worker may still be loading it: no other load goes there meanwhile (it would wait
             # that load out), and the model's unload recycles the pack (_take_out).

@@ -145,10 +145,9 @@ class WorkerPool:
     # -- what workers are asked to do -------------------------------------------
 
     async def send_load(
-        self, worker: Worker, model_id: str, fmt: str, path: str, pack: bool = False, slow_after: float = 0
+        self, worker: Worker, model_id: str, format_name: str, path: str, pack: bool = False
     ) -> dict:
-        """Has a taken spare, or a serving pack, load a model; the reply header (PeerGone if it dies).
-        slow_after: seconds after which a pack ends the load if it holds other models (0: never)."""
+        """Has a taken spare, or a serving pack, load a model; the reply header (PeerGone if it dies)."""
         packing = pack and worker.packed and worker.state is WorkerState.SERVING
         if worker.state is not WorkerState.SPARE and not packing:  # died or was killed since taken
             raise PeerGone(worker.exited.result() if worker.exited.done() else None)
@@ -156,8 +155,9 @@ class WorkerPool:
         worker.models.add(model_id)
         if not packing:
             worker.change_state(WorkerState.LOADING)
-        fields = {"model_id": model_id, "format": fmt, "path": path, "pack": pack, "slow_after": slow_after}
-        reply = await self._pack_operation(worker, protocol.OP_LOAD, **fields)
+        reply = await self._pack_operation(
+            worker, protocol.OP_LOAD, model_id=model_id, format=format_name, path=path, pack=pack
+        )
         if reply["ok"] and worker.state is WorkerState.LOADING:  # not killed meanwhile
             worker.change_state(WorkerState.SERVING)
         return reply

@@ -165,7 +165,6 @@ WORKER_ERROR_CODES = {
     protocol.ERROR_NOT_LOADED: grpc.StatusCode.NOT_FOUND,
     protocol.ERROR_EXPIRED: grpc.StatusCode.DEADLINE_EXCEEDED,
     protocol.ERROR_PROTOCOL: grpc.StatusCode.INTERNAL,
-    protocol.ERROR_SLOW_IN_PACK: grpc.StatusCode.INTERNAL,  # the supervisor moves the model instead
 }
 
 

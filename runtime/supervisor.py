@@ -31,12 +31,12 @@ from runtime.healing import Healer
 from runtime.metrics import Metrics
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
-from runtime.packs import FILLING_PACKS_MAX, PREDICTED_BASE_PER_FLOOR, SLOW_LOAD_SECONDS, Packs
+from runtime.packs import FILLING_PACKS_MAX, PREDICTED_BASE_PER_FLOOR, Packs
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
 from runtime.worker import KillCause, Worker
-from workers import formats, protocol
+from workers import formats
 
 log = logging.getLogger("mesh.supervisor")
 
@@ -229,27 +229,23 @@ class Supervisor:
 
     async def _load_packed(self, model: Model) -> list[int]:
         """Loads the model into MODEL_REPLICAS packs; what it added to each. One that turns out
-        bigger than MODEL_PACK_MAX_BYTES, or slower to load than packs.SLOW_LOAD_SECONDS beside
-        other models, moves to workers of its own."""
+        bigger than MODEL_PACK_MAX_BYTES moves to workers of its own."""
         model.packed = True
         sizes = []
         for _ in range(self.settings.model_replicas):
-            worker, reply, size = await self.packs.load(model, model.workers, SLOW_LOAD_SECONDS)
+            worker, reply, size = await self.packs.load(model, avoid=model.workers)
             if not reply["ok"]:
-                if reply.get("error") != protocol.ERROR_SLOW_IN_PACK:
-                    raise status.from_worker(model.model_id, reply)
-                return await self._leave_packs(model, f"load was ended in its pack ({reply.get('message')})")
+                raise status.from_worker(model.model_id, reply)
             model.workers.append(worker)
             sizes.append(size)
         if max(sizes) <= self.settings.model_pack_max_bytes:
             return sizes
-        over = f"added {max(sizes) / 2**20:.1f} MiB to its pack, over MODEL_PACK_MAX_BYTES"
-        return await self._leave_packs(model, over)
-
-    async def _leave_packs(self, model: Model, why: str) -> list[int]:
-        """Loads into workers of its own a model loaded into packs, or refused by one; their sizes."""
-        extra = {"model_id": model.model_id}
-        log.info("%s %s: it moves to a worker of its own", model.model_id, why, extra=extra)
+        log.info(
+            "%s added %.1f MiB to its pack, over MODEL_PACK_MAX_BYTES: it moves to a worker of its own",
+            model.model_id,
+            max(sizes) / 2**20,
+            extra={"model_id": model.model_id},
+        )
         await self.packs.remove(model)
         model.workers.clear()
         model.packed = False

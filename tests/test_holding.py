@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import types
 
 import msgpack
@@ -97,23 +96,3 @@ def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(
     assert signal.getsignal(yielding.GIVE_WAY_SIGNAL) is handler_before, "it stops with the load"
     assert not gave_way("python", pack=False), "a worker of its own has no neighbours to give way to"
     assert not gave_way("sklearn", pack=True), "a framework pack loads at idle priority instead"
-
-
-def test_a_load_past_slow_after_beside_other_models_is_ended_and_alone_it_is_not(monkeypatch, echo):
-    def slow_load(format_name: str, path: str, shared: bool = False):
-        with yielding.interruptible():
-            time.sleep(0.5)  # where a model's own code would run
-        return types.SimpleNamespace(close=lambda: None)
-
-    holdings = Holdings(batch_max=1)
-    monkeypatch.setattr(formats, "load", slow_load)
-    slow = {"id": 2, "model_id": "slow", "format": "python", "path": echo, "pack": True, "slow_after": 0.05}
-    assert msgpack.unpackb(holdings.load(slow, [])[0])["ok"], "alone in its pack, nothing waits for it"
-    monkeypatch.undo()
-    assert load(holdings, "echo", echo, pack=True)["ok"]
-    monkeypatch.setattr(formats, "load", slow_load)
-    reply = msgpack.unpackb(holdings.load({**slow, "model_id": "slower"}, [])[0])
-    assert not reply["ok"] and reply["error"] == protocol.ERROR_SLOW_IN_PACK
-    assert "still running after 0.05 s" in reply["message"]
-    assert set(holdings.by_id) == {"slow", "echo"}
-    assert msgpack.unpackb(holdings.load({**slow, "model_id": "later", "slow_after": 0}, [])[0])["ok"]

@@ -46,7 +46,7 @@ class ScriptedPool:
     async def take(self, format_name):
         return self.worker
 
-    async def send_load(self, worker, model_id, fmt, path, pack=False, slow_after=0):
+    async def send_load(self, worker, model_id, format_name, path, pack=False):
         self.cost += self.adds[model_id] + (FIRST_USE if not self.loads else 0)
         self.loads += 1
         worker.models.add(model_id)

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import grpc
 import psutil
@@ -26,13 +25,11 @@ from harness import (
     allocating_model,
     expect_status,
     free_port,
-    mesh_headers,
     metric_sample,
     scrape_metrics,
     wait_until,
 )
 
-from protos import grpc_predict_v2_pb2 as v2
 from protos import model_runtime_pb2 as mm
 from runtime import packs
 from runtime.admin import cli
@@ -133,75 +130,52 @@ MEETING_MODEL = """
             return dict(inputs)
 """
 
-# The slow models below sleep through the pack's end of a load that holds up other models (raised
-# once): these tests need packs that stay busy loading, as a model that swallows the end keeps one.
-PATIENT_SLEEP = """
-    import time
-
-    def sleep(seconds):
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                time.sleep(max(0.0, end - time.monotonic()))
-            except BaseException:
-                pass
-"""
-
 # A model whose load parks memory, then fails: its pack is recycled.
 FAILING_LEAKY_MODEL = parking_model('raise RuntimeError("parked 8 MiB, then failed")')
 
 # A model that loads slowly once a file named "slow" is in its folder: a recycle that moves it
 # takes that long.
-SLOW_WHEN_TOLD_MODEL = (
-    PATIENT_SLEEP
-    + """
-    import os
+SLOW_WHEN_TOLD_MODEL = """
+    import os, time
 
     class Model:
         def __init__(self, path):
             if os.path.exists(os.path.join(path, "slow")):
-                sleep(2)
+                time.sleep(2)
 
         def predict(self, inputs):
             return dict(inputs)
 """
-)
 
 # Its first load once a file named "slow" is in its folder takes two seconds; the next ones do not.
-SLOW_ONCE_MODEL = (
-    PATIENT_SLEEP
-    + """
-    import os
+SLOW_ONCE_MODEL = """
+    import os, time
 
     class Model:
         def __init__(self, path):
             told = os.path.join(path, "slow")
             if os.path.exists(told):
                 os.remove(told)
-                sleep(2)
+                time.sleep(2)
 
         def predict(self, inputs):
             return dict(inputs)
 """
-)
 
 # Every load of it but the first takes a second: the second replica's, and a move's.
-SLOW_AFTER_FIRST_MODEL = (
-    PATIENT_SLEEP
-    + """
-    import os
+SLOW_AFTER_FIRST_MODEL = """
+    import os, time
 
     class Model:
         def __init__(self, path):
             marker = os.path.join(path, "loaded-once")
             if os.path.exists(marker):
-                sleep(1)
+                time.sleep(1)
             open(marker, "w").close()
 
         def predict(self, inputs):
             return dict(inputs)
 """
-)
 
 # A model that fails a call if it is closed while the call runs.
 CLOSE_AFTER_CALLS_MODEL = """
@@ -222,17 +196,16 @@ CLOSE_AFTER_CALLS_MODEL = """
 """
 
 # A model that takes its time to load: a load cancelled meanwhile may still run in the pack.
-SLOW_MODEL = (
-    PATIENT_SLEEP
-    + """
+SLOW_MODEL = """
+    import time
+
     class Model:
         def __init__(self, path):
-            sleep(3)
+            time.sleep(3)
 
         def predict(self, inputs):
             return dict(inputs)
 """
-)
 
 
 def packed(**env) -> Runtime:
@@ -459,7 +432,7 @@ def test_a_load_waiting_for_a_pack_whose_load_is_given_up_on_goes_to_another_pac
     with packed(WORKERS_WARM="0") as rt:
         rt.load("first", rt.model_dir("first"))
         pool = concurrent.futures.ThreadPoolExecutor(2)
-        slower = SLOW_MODEL.replace("sleep(3)", "sleep(8)")
+        slower = SLOW_MODEL.replace("time.sleep(3)", "time.sleep(8)")
         given_up = pool.submit(rt.load, "slow", rt.model_dir("slow", slower), timeout=1)
         wait_until(lambda: "loading slow" in rt.log(), timeout=5, what="the slow load under way")
         waiting = pool.submit(rt.load, "next", rt.model_dir("next"), timeout=5)  # behind it, in line
@@ -520,36 +493,6 @@ def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
         assert rt.worker_for("big") is not None, "big runs in a worker of its own"
         assert len(pack_pids(rt)) == 1 and answers(rt, "echo")
         assert "over MODEL_PACK_MAX_BYTES" in rt.log()
-
-
-# A model whose constructor takes seconds: a sleep, where a real one might download or import.
-SLOW_LOADING_MODEL = """
-    import time
-
-    class Model:
-        def __init__(self, path):
-            time.sleep(6)
-
-        def predict(self, inputs):
-            return dict(inputs)
-"""
-
-
-def test_a_model_slow_to_load_beside_others_gets_a_worker_of_its_own_and_they_are_served_meanwhile():
-    with packed() as rt:
-        rt.load("echo", rt.model_dir("echo"))
-        with concurrent.futures.ThreadPoolExecutor(1) as loader:
-            loading = loader.submit(rt.load, "slow", rt.model_dir("slow", SLOW_LOADING_MODEL))
-            time.sleep(0.3)  # the pack is in the slow constructor
-            # Its load ends after packs.SLOW_LOAD_SECONDS, well before this deadline: before, calls
-            # waited for the whole constructor.
-            for _ in range(3):
-                request = v2.ModelInferRequest(model_name="echo")
-                rt.infer.ModelInfer(request, metadata=mesh_headers("echo"), timeout=4)
-            assert loading.result(timeout=60).sizeInBytes > 0
-        assert rt.worker_for("slow") is not None, "slow runs in a worker of its own"
-        assert answers(rt, "slow") and answers(rt, "echo") and len(pack_pids(rt)) == 1
-        assert "load was ended in its pack (still running after 1 s" in rt.log()
 
 
 # A model that calls sys.exit() where a model may run code: its constructor when told to, predict;

@@ -56,7 +56,7 @@ class StandInPool:
         await asyncio.sleep(0.01)  # a fork
         return self.to_take.pop(0)
 
-    async def send_load(self, worker, model_id, fmt, path, pack=False, slow_after=0):
+    async def send_load(self, worker, model_id, format_name, path, pack=False):
         self.loading.append(model_id)
         await asyncio.sleep(worker.load_seconds)
         worker.models.add(model_id)

@@ -25,9 +25,7 @@ Only where the frameworks run each call on the thread that makes it
 priority for good), and not for custom models, whose constructor may make
 what only its own thread may use (formats.pack_loads_at_idle_priority). A
 custom model loads on the pack's main thread, which gives way to any other
-thread every half millisecond meanwhile (plumbing/yielding.py); the pack's
-calls wait for it, so a load the front says is new (`slow_after`) is ended
-once it runs that long beside other models, and the front moves it out. A
+thread every half millisecond meanwhile (plumbing/yielding.py). A
 worker of its own loads on its main thread: its model may take seconds of
 CPU to load, which idle priority could stretch past the load timeout on a
 saturated machine.
@@ -88,12 +86,7 @@ class Holdings:
         self._title(extra=model_id)
         started = time.monotonic()
         try:
-            model = self._load(header["format"], header["path"], header.get("slow_after"))
-        except yielding.TookTooLong as error:
-            log.warning("load of %s ended: %s in a pack", model_id, error, extra={"model_id": model_id})
-            self._after_change(collect=True)
-            message = f"{error} beside the pack's other models, which cannot be served meanwhile"
-            return [protocol.error_reply(request_id, protocol.ERROR_SLOW_IN_PACK, message)]
+            model = self._load(header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             log.warning(
                 "load of %s failed: %s: %s",
@@ -117,11 +110,9 @@ class Holdings:
         )
         return [protocol.reply(request_id)]
 
-    def _load(self, format_name: str, path: str, slow_after: float | None = None) -> Any:
+    def _load(self, format_name: str, path: str) -> Any:
         """The loaded model. In a pack: on the idle loader thread where the format allows it, else
-        on this thread, giving way to other threads while a custom model loads (see above), and
-        ended (TookTooLong) past `slow_after` seconds (0 or None: never) if the pack holds other
-        models: their calls wait for this thread."""
+        on this thread, giving way to other threads while a custom model loads (see above)."""
         fmt = formats.by_name(format_name)
         if not self.packed or fmt is None:
             return formats.load(format_name, path)
@@ -132,7 +123,7 @@ class Holdings:
                 )
             return self._idle_loader.submit(formats.load, format_name, path, True).result()
         if not fmt.loads_on_any_thread:
-            with yielding.giving_way(at_most=slow_after if self.by_id and slow_after else None):
+            with yielding.giving_way():
                 return formats.load(format_name, path, shared=True)
         return formats.load(format_name, path, shared=True)
 

@@ -20,10 +20,8 @@ worker identity frame in front of the header on the front's side.
 Messages:
 
     worker -> front   hello  {pid}                    worker is connected and idle
-    front  -> worker  load   {id, model_id, format, path, pack, slow_after}
+    front  -> worker  load   {id, model_id, format, path, pack}
                              pack: the worker may hold other models too
-                             slow_after: seconds a load may keep a pack's other
-                             models waiting (0: no limit)
     front  -> worker  drop   {id, model_id}          a pack ends one model
     front  -> worker  call   {id, model, method, deadline, unanswered} + [request bytes]
                              model: the model id it is for;
@@ -81,10 +79,8 @@ ERROR_UNIMPLEMENTED = "unimplemented"  # the model does not serve this method
 ERROR_NOT_LOADED = "not_loaded"  # a call reached a worker that holds no model
 ERROR_EXPIRED = "expired"  # the call's deadline passed before it could run
 ERROR_PROTOCOL = "protocol"  # the message did not follow this schema (a payload the worker cannot find)
-ERROR_SLOW_IN_PACK = "slow_in_pack"  # a load into a pack ran past its `slow_after`, and was ended
 ERROR_KINDS = frozenset(
     {
-        ERROR_SLOW_IN_PACK,
         ERROR_LOAD,
         ERROR_INVALID_INPUT,
         ERROR_MODEL,

@@ -28,8 +28,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from plumbing import yielding
-
 # Compiled model.py sources, marshalled, by their content's digest.
 _compiled: dict[bytes, bytes] = {}
 # Model folders on sys.path, by how many held models were loaded from each; and those of them
@@ -68,15 +66,12 @@ def load(path: str, shared: bool = False) -> PythonModel:
     imports = _ImportsSeen()
     sys.meta_path.insert(0, imports)
     try:
-        with yielding.interruptible():
-            exec(code, module.__dict__)
+        exec(code, module.__dict__)
         model_class = getattr(module, "Model", None)
         # inspect.isclass() is this same test, but its stub narrows to type[object], which takes no arguments.
         if not isinstance(model_class, type):
             raise TypeError(f"{source} defines no class Model")
-        with yielding.interruptible():
-            model = model_class(path)
-        return PythonModel(model, on_close=forget)
+        return PythonModel(model_class(path), on_close=forget)
     except BaseException:
         forget()
         raise
