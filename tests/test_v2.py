@@ -516,9 +516,17 @@ def test_bytes_and_str_outputs_round_trip_as_bytes(raw):
     assert arrays["mixed"].tolist() == [b"s", b"b"]
 
 
-@pytest.mark.parametrize("count", [responses._INTERLEAVE_FROM - 1, responses._INTERLEAVE_FROM, 1000])
-def test_raw_bytes_outputs_of_any_count_and_length_round_trip(count):
-    elements = [bytes([n % 256]) * (n % 300) for n in range(count - 1)] + [b"\x01" * 70_000]
+@pytest.mark.parametrize(
+    "count, longest",
+    [
+        (responses._INTERLEAVE_FROM - 1, 300),
+        (responses._INTERLEAVE_FROM, 300),  # on average past _INTERLEAVE_BELOW_BYTES
+        (1000, 300),
+        (1000, 10),
+    ],
+)
+def test_raw_bytes_outputs_of_any_count_and_length_round_trip(count, longest):
+    elements = [bytes([n % 256]) * (n % longest) for n in range(count - 1)] + [b"\x01" * 70_000]
     value = np.empty((count,), dtype=object)
     value[:] = elements
     response, arrays = response_arrays(responses.encode_response(pb.ModelInferRequest(), {"y": value}, True))
