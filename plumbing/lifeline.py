@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import time
 
 FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
 _PR_SET_PDEATHSIG = 1
@@ -61,15 +62,35 @@ def kill_children() -> None:
     exits: the pids read here name them. A child forked by os.fork would die
     with it anyway (above); one started by subprocess would not.
     """
+    for child in children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def children() -> set[int]:
+    """The pids of this process's children, zombies included, whichever thread started them."""
+    found: set[int] = set()
     for thread in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{thread}/children") as listed:
-                children = listed.read().split()
+                found.update(int(child) for child in listed.read().split())
         except OSError:
             continue  # the thread ended meanwhile
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(child), signal.SIGKILL)
+    return found
+
+
+def end_children(identities: list[tuple[int, int]], wait_s: float = 1.0) -> None:
+    """SIGKILLs each child named by process_identity() that still runs, and waits up to `wait_s`
+    until they have exited (their memory back). Not reaped: the code that started them reaps
+    them (multiprocessing and subprocess do, at their next start), and a reap of ours could
+    leave that code waiting on a pid given since to another process."""
+    ending = [identity for identity in identities if is_running(identity)]
+    for pid, _ in ending:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(is_running(identity) for identity in ending) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def forkserver_pid() -> int | None:

@@ -11,9 +11,10 @@ import sys
 import threading
 import time
 
+import grpc
 import psutil
 import pytest
-from harness import Runtime, alive, tree, wait_until
+from harness import Runtime, alive, expect_status, tree, wait_until
 from test_runtime_dir import record, start_titled
 
 from plumbing import lifeline, priority, titles
@@ -345,6 +346,8 @@ HELPERS_MODEL = """
                     time.sleep(600)
                     os._exit(0)
                 note(path, "escaped.pid", pid)
+            if os.path.exists(os.path.join(path, "fail")):
+                raise RuntimeError("failed, its helpers started")
 
         def predict(self, inputs):
             return dict(inputs)
@@ -372,6 +375,33 @@ def test_what_a_model_started_ends_with_its_worker():
         helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid")]
         os.kill(runtime.worker_for("crashing").pid, signal.SIGKILL)
         wait_until(lambda: not alive(helpers), timeout=10, what="the helpers of a killed worker to end")
+
+
+def test_what_a_packed_model_started_loading_ends_with_its_unload_and_its_pack_serves_on():
+    with Runtime(MODELS_PER_WORKER="4") as runtime:
+        runtime.load("neighbour", runtime.model_dir("neighbour"))
+        folder = runtime.model_dir("helped", HELPERS_MODEL)
+        runtime.load("helped", folder)
+        helpers = _pids_in(folder, "forked.pid", "executed.pid")
+        pack = psutil.Process(psutil.Process(helpers[0]).ppid())
+        assert psutil.Process(helpers[1]).ppid() == pack.pid
+        assert "mesh-runtime pack models=2" in " ".join(pack.cmdline())
+        runtime.unload("helped")
+        assert all(map(_ended, helpers)), "they are dead by the time unloadModel returns"
+        assert pack.is_running() and runtime.infer_fp32("neighbour", [1.0]).outputs
+        folder = runtime.model_dir("failing", HELPERS_MODEL)
+        open(os.path.join(folder, "fail"), "w").close()
+        expect_status(grpc.StatusCode.FAILED_PRECONDITION, runtime.load, "failing", folder)
+        assert all(map(_ended, _pids_in(folder, "forked.pid", "executed.pid")))
+        assert pack.is_running() and runtime.infer_fp32("neighbour", [1.0]).outputs
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie until the model's own objects (multiprocessing's, subprocess's) reap it."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_a_front_told_to_stop_stops_while_a_helper_holds_its_fork_servers_pipe():

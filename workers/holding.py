@@ -5,10 +5,12 @@ either load did not say `pack` (a worker of its own stays one model's, so its
 death is that model's alone). Every call names its model, so a pack looks the
 model up per call; a call for a model it does not hold answers NOT_LOADED.
 
-`drop` ends one model of a pack: its close() runs, its objects are freed and
-the heap they used goes back to the OS (gc, then malloc_trim), so that the
-front, measuring the pack from outside before and after, sees what the model
-gave back. A drop in a worker of its own is never sent: the front kills it.
+`drop` ends one model of a pack: its close() runs, the processes its load
+started are killed (as after a failed load), its objects are freed and the
+heap they used goes back to the OS (gc, then malloc_trim), so that the front,
+measuring the pack from outside before and after, sees what the model gave
+back. A drop in a worker of its own is never sent: the front kills it, with
+its whole process group.
 
 A pack loads framework models on a thread of its own at idle priority
 (plumbing/priority.py), while its main thread waits for it: every other
@@ -40,7 +42,7 @@ import logging
 import time
 from typing import Any
 
-from plumbing import heap, priority, titles, yielding
+from plumbing import heap, lifeline, priority, titles, yielding
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
@@ -52,6 +54,8 @@ class Held:
     format: str
     model: Any
     batches_rows: bool  # its format predicts rows independently, and batching is on
+    # In a pack: the processes its load started (lifeline.process_identity), ended with its drop.
+    helpers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Holdings:
@@ -85,9 +89,11 @@ class Holdings:
         self.packed = packed
         self._title(extra=model_id)
         started = time.monotonic()
+        children_before = lifeline.children() if packed else set()
         try:
             model = self._load(header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
+            lifeline.end_children(self._started_since(children_before))
             log.warning(
                 "load of %s failed: %s: %s",
                 model_id,
@@ -99,7 +105,9 @@ class Holdings:
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
         fmt = formats.by_name(header["format"])
         assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
-        self.by_id[model_id] = Held(model_id, fmt.name, model, fmt.batches_rows and self.batch_max > 1)
+        batches_rows = fmt.batches_rows and self.batch_max > 1
+        helpers = self._started_since(children_before)
+        self.by_id[model_id] = Held(model_id, fmt.name, model, batches_rows, helpers)
         self._after_change()
         log.info(
             "loaded %s (%s) in %.1f ms",
@@ -135,11 +143,20 @@ class Holdings:
                 held.model.close()
             except BaseException:
                 log.exception("close() of %s raised", model_id, extra={"model_id": model_id})
+            lifeline.end_children(held.helpers)  # with their memory, before the front measures
             del held
         self._title()
         self._after_change(collect=True)
         log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
         return [protocol.reply(header["id"])]
+
+    def _started_since(self, children_before: set[int]) -> list[tuple[int, int]]:
+        """In a pack, the children started since `children_before` was read (a load's helpers: a
+        worker of its own has its whole process group killed instead)."""
+        if not self.packed:
+            return []
+        started = (lifeline.process_identity(pid) for pid in lifeline.children() - children_before)
+        return [identity for identity in started if identity is not None]
 
     def close_all(self) -> None:
         """Runs every held model's close(), as the worker exits."""
