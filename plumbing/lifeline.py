@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import threading
 import time
 
 FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
@@ -67,10 +68,12 @@ def kill_children() -> None:
             os.kill(child, signal.SIGKILL)
 
 
-def children() -> set[int]:
-    """The pids of this process's children, zombies included, whichever thread started them."""
+def children(of_this_thread: bool = False) -> set[int]:
+    """The pids of this process's children, zombies included: those any thread started, or those
+    the calling thread did."""
     found: set[int] = set()
-    for thread in os.listdir("/proc/self/task"):
+    threads = [threading.get_native_id()] if of_this_thread else os.listdir("/proc/self/task")
+    for thread in threads:
         try:
             with open(f"/proc/self/task/{thread}/children") as listed:
                 found.update(int(child) for child in listed.read().split())

@@ -89,11 +89,9 @@ class Holdings:
         self.packed = packed
         self._title(extra=model_id)
         started = time.monotonic()
-        children_before = lifeline.children() if packed else set()
         try:
-            model = self._load(header["format"], header["path"])
+            model, helpers = self._load(header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
-            lifeline.end_children(self._started_since(children_before))
             log.warning(
                 "load of %s failed: %s: %s",
                 model_id,
@@ -106,7 +104,6 @@ class Holdings:
         fmt = formats.by_name(header["format"])
         assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
         batches_rows = fmt.batches_rows and self.batch_max > 1
-        helpers = self._started_since(children_before)
         self.by_id[model_id] = Held(model_id, fmt.name, model, batches_rows, helpers)
         self._after_change()
         log.info(
@@ -118,22 +115,23 @@ class Holdings:
         )
         return [protocol.reply(request_id)]
 
-    def _load(self, format_name: str, path: str) -> Any:
+    def _load(self, format_name: str, path: str) -> tuple[Any, list[tuple[int, int]]]:
         """The loaded model. In a pack: on the idle loader thread where the format allows it, else
-        on this thread, giving way to other threads while a custom model loads (see above)."""
+        on this thread, giving way to other threads while a custom model loads (see above). With
+        the processes it started, in a pack (_noting_helpers)."""
         fmt = formats.by_name(format_name)
         if not self.packed or fmt is None:
-            return formats.load(format_name, path)
+            return formats.load(format_name, path), []
         if formats.pack_loads_at_idle_priority(fmt, self.threads):
             if self._idle_loader is None:
                 self._idle_loader = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="load", initializer=_become_idle_work
                 )
-            return self._idle_loader.submit(formats.load, format_name, path, True).result()
+            return self._idle_loader.submit(_noting_helpers, format_name, path).result()
         if not fmt.loads_on_any_thread:
             with yielding.giving_way():
-                return formats.load(format_name, path, shared=True)
-        return formats.load(format_name, path, shared=True)
+                return _noting_helpers(format_name, path)
+        return _noting_helpers(format_name, path)
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
@@ -149,14 +147,6 @@ class Holdings:
         self._after_change(collect=True)
         log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
         return [protocol.reply(header["id"])]
-
-    def _started_since(self, children_before: set[int]) -> list[tuple[int, int]]:
-        """In a pack, the children started since `children_before` was read (a load's helpers: a
-        worker of its own has its whole process group killed instead)."""
-        if not self.packed:
-            return []
-        started = (lifeline.process_identity(pid) for pid in lifeline.children() - children_before)
-        return [identity for identity in started if identity is not None]
 
     def close_all(self) -> None:
         """Runs every held model's close(), as the worker exits."""
@@ -177,6 +167,25 @@ class Holdings:
             titles.set_title(f"worker model={names[0]}" if names else "worker")
         else:
             titles.set_title(f"pack models={len(names)}")
+
+
+def _noting_helpers(format_name: str, path: str) -> tuple[Any, list[tuple[int, int]]]:
+    """A pack's load of a model, and the processes this thread started during it (its helpers,
+    for its drop to kill: a pack ends only when its last model goes). A failed load's helpers
+    are killed at once. The thread that loads is the one read: /proc lists a child under the
+    thread that forked it, and reading one thread's list costs a tenth of reading every one."""
+    before = lifeline.children(of_this_thread=True)
+    try:
+        model = formats.load(format_name, path, shared=True)
+    except BaseException:
+        lifeline.end_children(_started_since(before))
+        raise
+    return model, _started_since(before)
+
+
+def _started_since(before: set[int]) -> list[tuple[int, int]]:
+    started = (lifeline.process_identity(pid) for pid in lifeline.children(of_this_thread=True) - before)
+    return [identity for identity in started if identity is not None]
 
 
 def _become_idle_work() -> None:
