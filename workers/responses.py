@@ -20,10 +20,12 @@ from workers.v2 import DATATYPES, ELEMENT_LENGTH, RAW_OUTPUT_FIELD, InvalidInput
 # InferTensorContents' field numbers by name, for the contents written by hand.
 _CONTENTS_FIELD_NUMBERS = {field.name: field.number for field in pb.InferTensorContents.DESCRIPTOR.fields}
 
-# numpy dtype -> datatype, for outputs (keyed by the dtype itself: dtype.str builds a string each time)
-_INTERLEAVE_FROM = 64  # elements; below, numpy's set-up costs more than the loop it saves
-_INTERLEAVE_BELOW_BYTES = 256  # on average an element; bigger ones are joined as they are
+# Raw BYTES outputs: numpy interleaves lengths and bytes from this many elements on, where they
+# average under _INTERLEAVE_BELOW_BYTES (_length_prefixed).
+_INTERLEAVE_FROM = 64  # below, numpy's set-up costs more than the loop it saves
+_INTERLEAVE_BELOW_BYTES = 256  # bigger ones are joined as they are
 
+# numpy dtype -> datatype, for outputs (keyed by the dtype itself: dtype.str builds a string each time)
 _DATATYPE_OF = {dtype: name for name, (dtype, _) in DATATYPES.items() if name not in ("BF16", "BYTES")}
 
 
