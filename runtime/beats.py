@@ -10,7 +10,7 @@ no system call, nothing sent.
 
 The file is RUNTIME_DIR/beats, two float64 per slot (workers/protocol.py): the
 last beat, and what a pack's main thread runs, which tells whose code killed
-a pack that died (runtime/packs.py blamed()).
+a pack that died (runtime/healing.py blamed()).
 The pool hands each worker a slot in its spawn config and frees it once the
 worker is reaped, so no two living processes ever share a slot. The file
 only grows: a worker maps it whole when it starts, and a shrunk file would

@@ -10,7 +10,7 @@ places it elsewhere.
 
 A pack's death (runtime/packs.py) hits every model in it: each heals into
 another pack, and the crash counts against the model whose code the pack was
-running (runtime/packs.py blamed()), so a model that crashes its packs is
+running (blamed() below), so a model that crashes its packs is
 dropped and its neighbours are not. A pack the front ended for a recycle
 counts against none of the models left in it (those that could not move).
 """
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 from runtime import status
 from runtime.channel import PeerGone
 from runtime.model import Model, ModelState
-from runtime.packs import blamed as blamed_models
 from runtime.worker import KillCause, Worker
+from workers import protocol
 
 if TYPE_CHECKING:
     from runtime.supervisor import Supervisor
@@ -57,9 +57,9 @@ class Healer:
         # A loading model learns of the death from its pending load request.
         hit = [m for m in members if m.state is ModelState.READY and worker in m.workers]
         # A recycled pack's models that did not move are not to blame for its end.
-        blamed = [] if worker.kill_cause is KillCause.RECYCLED else blamed_models(hit, worker)
+        at_fault = [] if worker.kill_cause is KillCause.RECYCLED else blamed(hit, worker)
         for model in hit:
-            self._lose_worker(model, worker, exit_code, model in blamed)
+            self._lose_worker(model, worker, exit_code, model in at_fault)
 
     def _lose_worker(self, model: Model, worker: Worker, exit_code: int | None, blamed: bool) -> None:
         """A worker of the READY model died: heal, or drop a model that keeps crashing."""
@@ -184,3 +184,17 @@ class Healer:
                 extra={"model_id": model.model_id},
             )
             self.supervisor.discard(model)
+
+
+def blamed(models: list[Model], worker: Worker) -> list[Model]:
+    """The models a pack's death counts against, of the ready `models` it held.
+
+    Its main thread says in the beat file whose call or load it runs: that
+    model alone, none of these if it was a load (that load fails) or a drop.
+    With call threads, which say nothing, those with calls in it. Else (it
+    died idle: killed from outside, or for its memory) all of them.
+    """
+    if worker.last_running != protocol.NOTHING_RUNNING:
+        return [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]
+    running = [m for m in models if m.model_id in worker.running]
+    return running or models

@@ -11,6 +11,8 @@ while another has room: model-mesh sends that call the moment loadModel
 returns, and a load sent before it would hold it up.
 
 Every load into a pack and every drop from it runs alone (the pack's lock).
+A load that runs long beside other models has them moved to a fresh pack
+meanwhile, and the pack is left to it (runtime/slowloads.py).
 A new pack loads its first model twice, the first time dropped at once, and
 its base is what it costs then, measured from outside with the kernel's
 share (runtime/memory.py): the spare, and what a first load writes that
@@ -33,7 +35,7 @@ unload, a format's emptiest pack may be compacted into the others
 
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the model whose code it was
-running (blamed(), runtime/healing.py).
+running (runtime/healing.py blamed()).
 """
 
 from __future__ import annotations
@@ -42,15 +44,15 @@ import asyncio
 import logging
 import time
 
-from runtime import forkserver, memory
+from runtime import forkserver, memory, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
 from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
-from runtime.worker import KillCause, Worker
-from workers import formats, protocol
+from runtime.worker import KillCause, Worker, calls_answered
+from workers import formats
 
 log = logging.getLogger("mesh.packs")
 
@@ -76,9 +78,8 @@ PREDICTED_BASE_PER_FLOOR = 2
 # Packs of one format taking models at once: model-mesh loads two models at a time by default.
 FILLING_PACKS_MAX = 2
 # How long an unload lets the model's calls under way in its pack run before it drops the model
-# (as long as a worker of its own gets between SIGTERM and SIGKILL), and how often it looks.
+# (as long as a worker of its own gets between SIGTERM and SIGKILL).
 CALLS_GRACE_SECONDS = 2.0
-CALLS_CHECK_SECONDS = 0.001
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
 
@@ -92,12 +93,20 @@ class Pack:
         self.growth_charged: dict[str, int] = {}  # loaded: model id -> the part of its size not base
         self.grown: dict[str, int] = {}  # loaded: model id -> what its load added, measured
         self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
-        self.open = True  # takes new models; False once it is recycled, emptied or dead
+        self.open = True  # takes new models; False once it is recycled, emptied, dead or left to a load
         self.abandoned = False  # a load was given up while the pack may still run it
+        self.left_to: Model | None = None  # its others moved out while this one's load ran long
+        self.left_behind: set[str] = set()  # ids of models that moved out, still held until that load is in
         self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
         self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
         self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
         self.last_loaded_at = 0.0
+
+    def give_up_load(self) -> None:
+        """A load was given up on while the pack may still run it: no other load goes there
+        meanwhile (it would wait that load out), and the model's unload recycles the pack."""
+        self.abandoned = True
+        self.open = False
 
     def preference(self, now: float) -> tuple[bool, bool, int]:
         """Packs that take a model sort by this: free of loads, then of first calls due, then fullest."""
@@ -115,7 +124,8 @@ class Packs:
         self.settings = settings
         self.pool = pool
         self._packs: dict[Worker, Pack] = {}
-        self._repacker = Repacker(self, on_recycle)
+        self.on_recycle = on_recycle
+        self.repacker = Repacker(self)
 
     def accepts(self, spec: ModelSpec) -> bool:
         """Whether the model goes into a pack: a small one whose framework the fork servers preload.
@@ -218,11 +228,12 @@ class Packs:
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
         before = memory.anonymous(worker.pid)
-        reply = await self.send_load(pack, model)
+        reply = await slowloads.send_load_beside_others(self, pack, model)
         if reply["ok"]:
             # Charged at once: a drop must follow even if the measuring is cancelled.
             pack.charged[model.model_id] = PACKED_MODEL_MIN_BYTES
         added = memory.anonymous(worker.pid) - before
+        await slowloads.drop_left_behind(self, pack)
         if not reply["ok"]:
             return await self._failed(pack, model, reply, left=added)
         pack.grown[model.model_id] = max(0, added)
@@ -251,10 +262,7 @@ class Packs:
         try:
             return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
         except asyncio.CancelledError:
-            # The worker may still be loading it: no other load goes there meanwhile (it would wait
-            # that load out), and the model's unload recycles the pack (_take_out).
-            pack.abandoned = True
-            pack.open = False
+            pack.give_up_load()  # the worker may still be loading it
             raise
 
     async def _failed(self, pack: Pack, model: Model, reply: dict, left: int) -> tuple[dict, int]:
@@ -265,7 +273,7 @@ class Packs:
         if not pack.charged:
             await self._end(pack, f"its first load ({model.model_id}) failed")
         elif left > RECYCLE_SLACK_BYTES:
-            await self._repacker.recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
+            await self.repacker.recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
         return reply, 0
 
     def _charge(self, pack: Pack, model_id: str, measured: int) -> int:
@@ -280,7 +288,11 @@ class Packs:
         others = sum(charge for other, charge in pack.growth_charged.items() if other != model_id)
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
         growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
-        share = (pack.base_bytes + pack.calls_bytes) // self.settings.models_per_worker
+        # A pack left to one model's long load (runtime/slowloads.py) holds none other for good.
+        sharing = self.settings.models_per_worker
+        if pack.left_to is not None and pack.left_to.model_id == model_id:
+            sharing = 1
+        share = (pack.base_bytes + pack.calls_bytes) // sharing
         size = growth + share + PER_MODEL_BYTES
         pack.growth_charged[model_id] = growth
         pack.charged[model_id] = size
@@ -305,11 +317,11 @@ class Packs:
                     await self._take_out(pack, model)
                 else:
                     pack.members.pop(model.model_id, None)
-            await self._repacker.compact(pack.format_name)
+            await self.repacker.compact(pack.format_name)
 
     async def move_ended(self, model: Model) -> None:
         """Returns once no recycle or compaction is moving the model."""
-        await self._repacker.move_ended(model)
+        await self.repacker.move_ended(model)
 
     async def compact_all(self, format_name: str) -> None:
         """Compacts the format's packs until their free places no longer hold a whole pack's models.
@@ -317,7 +329,7 @@ class Packs:
         After a burst of loads at once (models healing from a dead pack), each load that found
         every pack with room loading took a spare as a new pack: many packs of a model or two,
         whose bases their models' sizes do not cover."""
-        while await self._repacker.compact(format_name):
+        while await self.repacker.compact(format_name):
             pass
 
     async def _take_out(self, pack: Pack, model: Model) -> None:
@@ -331,15 +343,16 @@ class Packs:
             await self._end(pack, f"its last model ({model_id}) is unloaded")
             return
         if pack.abandoned:  # a load given up may still run in the pack
-            await self._repacker.recycle(pack, f"the load of {model_id} was abandoned")
+            await self.repacker.recycle(pack, f"the load of {model_id} was abandoned")
             return
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
         worker = pack.worker
         # Its calls run on threads beside the drop, which would close the model under them. A call
         # that runs on past the grace is ended with the pack (a worker of its own is killed then).
-        if self.settings.worker_threads > 1 and not await _answered(worker, model_id, CALLS_GRACE_SECONDS):
-            await self._repacker.recycle(pack, f"calls of {model_id} ran on past its unload")
+        threads = self.settings.worker_threads
+        if threads > 1 and not await calls_answered(worker, model_id, CALLS_GRACE_SECONDS):
+            await self.repacker.recycle(pack, f"calls of {model_id} ran on past its unload")
             return
         before = memory.anonymous(worker.pid)
         try:
@@ -349,7 +362,7 @@ class Packs:
         freed = before - memory.anonymous(worker.pid)
         if freed + RECYCLE_SLACK_BYTES < grown:
             reason = f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
-            await self._repacker.recycle(pack, reason)
+            await self.repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str) -> None:
         """Kills a pack that holds nothing any more; returns once it is reaped."""
@@ -368,27 +381,3 @@ class Packs:
         pack.charged.clear()
         pack.growth_charged.clear()
         return models
-
-
-async def _answered(worker: Worker, model_id: str, within: float) -> bool:
-    """Whether the worker answers every call of the model it was sent (or dies) within `within` s."""
-    deadline = time.monotonic() + within
-    while worker.calls.get(model_id) and worker.alive:
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(CALLS_CHECK_SECONDS)
-    return True
-
-
-def blamed(models: list[Model], worker: Worker) -> list[Model]:
-    """The models a pack's death counts against, of the ready `models` it held.
-
-    Its main thread says in the beat file whose call or load it runs: that
-    model alone, none of these if it was a load (that load fails) or a drop.
-    With call threads, which say nothing, those with calls in it. Else (it
-    died idle: killed from outside, or for its memory) all of them.
-    """
-    if worker.last_running != protocol.NOTHING_RUNNING:
-        return [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]
-    running = [m for m in models if m.model_id in worker.running]
-    return running or models

@@ -33,12 +33,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from runtime import memory, status
 from runtime.channel import PeerGone
 from runtime.model import Model, ModelState
+from runtime.tasks import to_the_end
 from runtime.worker import KillCause, Worker
 from workers import formats
 
@@ -60,17 +61,14 @@ _MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 # not much later than the last call it waits for.
 DRAIN_CHECK_SECONDS = 0.001
 
-T = TypeVar("T")
 # What each model moving is charged in the pack it leaves: (its size, the part that is growth, what
 # its load added), by model id.
 Charges = dict[str, tuple[int, int, int]]
 
 
 class Repacker:
-    def __init__(self, packs: Packs, on_recycle=None):
-        """on_recycle(seconds, models_moved) is told of every recycle and compaction (metrics)."""
+    def __init__(self, packs: Packs):
         self.packs = packs
-        self._on_recycle = on_recycle
         self._compacting: set[str] = set()  # formats whose emptiest pack is moving into the others
         self._moves: dict[str, list[asyncio.Future]] = {}  # model id -> each of its moves, done at its end
 
@@ -103,12 +101,19 @@ class Repacker:
     async def _recycle(self, pack: Pack, reason: str) -> None:
         started = time.monotonic()
         pack.open = False
-        survivors = [m for m in pack.members.values() if _moves_with(pack, m)]
-        charges = _charges(pack, survivors)  # as they are now: a pack that dies forgets them
+        survivors = [m for m in pack.members.values() if moves_with(pack, m)]
         log.info("recycling %r: %s; %d models move", pack.worker, reason, len(survivors))
-        with self._moving(survivors):
-            moved = await self._into_fresh_pack(survivors, pack, charges) if survivors else 0
-        await self._end(pack, reason, started, moved)
+        moved = await self.into_fresh_pack(pack, survivors, "its models heal instead")
+        await self._end(pack, reason, started, len(moved))
+
+    async def into_fresh_pack(self, pack: Pack, models: list[Model], otherwise: str) -> list[Model]:
+        """Holding the pack's lock: `models`, loaded there, load into a fresh pack with their charges,
+        and their calls move to it; those that moved. `otherwise` is logged where they cannot."""
+        if not models:
+            return []
+        charges = _charges(pack, models)  # as they are now: a pack that dies forgets them
+        with self._moving(models):
+            return await self._into_fresh_pack(models, pack, charges, otherwise)
 
     async def compact(self, format_name: str) -> bool:
         """Moves the models of the format's emptiest pack into the others once their free places
@@ -147,16 +152,19 @@ class Repacker:
             free[id(max(fits, key=lambda p: len(p.members)))] -= 1
         return True
 
-    async def _into_fresh_pack(self, survivors: list[Model], old_pack: Pack, charges: Charges) -> int:
-        """Loads the survivors into a fresh pack and moves their calls to it; how many moved.
+    async def _into_fresh_pack(
+        self, survivors: list[Model], old_pack: Pack, charges: Charges, otherwise: str
+    ) -> list[Model]:
+        """Loads the survivors into a fresh pack and moves their calls to it; those that moved.
+        `otherwise` is logged where they cannot: what becomes of them.
 
         No spare is forked meanwhile (on two cores a fork slows the survivors' calls): the old
         pack's reap refills the spares."""
         try:
             worker = await self.packs.pool.take(old_pack.format_name)
         except status.RpcError as error:
-            log.error("cannot recycle into a fresh pack (%s); its models heal instead", error.message)
-            return 0
+            log.error("cannot move models into a fresh pack (%s); %s", error.message, otherwise)
+            return []
         fresh = self.packs.new_pack(worker, old_pack.format_name)
         fresh.calls_bytes = old_pack.calls_bytes
         fresh.open = False  # takes no other model before the survivors are in
@@ -165,23 +173,23 @@ class Repacker:
             async with fresh.lock:
                 loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
                 if not loaded:
-                    await self._abandon(fresh, "the survivors did not load in it")
-                    return 0
+                    await self._abandon(fresh, "the survivors did not load in it", otherwise)
+                    return []
                 # Its base is what its models' growth does not cover: measured once, not per model.
                 measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
                 fresh.base_bytes = measured + memory.FRONT_SHARE_BYTES - sum(fresh.growth_charged.values())
         except PeerGone:
             if worker.alive:
-                await self._abandon(fresh, "it stopped taking loads while the survivors moved in")
-                return 0
+                await self._abandon(fresh, "it stopped taking loads while the survivors moved in", otherwise)
+                return []
             log.error("the fresh pack %r died while the survivors moved in", worker)
         finally:
             fresh.open = worker.serving
         return self._switch_all(loaded, old_pack, fresh)
 
-    async def _abandon(self, fresh: Pack, reason: str) -> None:
-        """Ends a fresh pack the survivors cannot move into: they heal once the old pack goes."""
-        log.error("cannot recycle into %r: %s; its models heal instead", fresh.worker, reason)
+    async def _abandon(self, fresh: Pack, reason: str, otherwise: str) -> None:
+        """Ends a fresh pack the survivors cannot move into (`otherwise`: what becomes of them)."""
+        log.error("cannot move models into %r: %s; %s", fresh.worker, reason, otherwise)
         self.packs.retire(fresh)
         self.packs.pool.kill(fresh.worker, KillCause.RECYCLED, reason)
         await asyncio.shield(fresh.worker.exited)
@@ -191,7 +199,7 @@ class Repacker:
         moved."""
         started = time.monotonic()
         emptiest.open = False
-        movers = [m for m in emptiest.members.values() if _moves_with(emptiest, m)]
+        movers = [m for m in emptiest.members.values() if moves_with(emptiest, m)]
         charges = _charges(emptiest, movers)  # as they are now: a pack that dies forgets them
         moved = 0
         with self._moving(movers):
@@ -212,7 +220,7 @@ class Repacker:
                 room = len(target.members) < self.packs.settings.models_per_worker
                 if room and target.open and target.worker.serving and _may_take(target, model):
                     if await self._load_moved(model, emptiest, target, charges):
-                        return self._switch_all([model], emptiest, target)
+                        return len(self._switch_all([model], emptiest, target))
         except PeerGone:
             log.error("pack %r died while %s moved in", target.worker, model.model_id)
         return 0
@@ -305,14 +313,14 @@ class Repacker:
         log.error("%s did not load in %r (%s): it heals instead", model.model_id, target.worker, message)
 
     @staticmethod
-    def _switch_all(models: list[Model], source: Pack, target: Pack) -> int:
-        """Moves the calls of `models`, loaded in `target`, there; how many moved. Calls go on to
+    def _switch_all(models: list[Model], source: Pack, target: Pack) -> list[Model]:
+        """Moves the calls of `models`, loaded in `target`, there; those that moved. Calls go on to
         `source` until all of them are loaded: `target` answers none while it loads. Where `source`
         died meanwhile, the move gives its models back the replica its death took."""
         moved = [m for m in models if target.worker.serving and m.state in _MOVING_STATES]
         for model in moved:
             switch(model, source.worker, target.worker)
-        return len(moved)
+        return moved
 
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
@@ -326,34 +334,14 @@ class Repacker:
             self.packs.retire(pack)
         self.packs.pool.kill(pack.worker, KillCause.RECYCLED, reason)
         await asyncio.shield(pack.worker.exited)
-        if self._on_recycle is not None:
-            self._on_recycle(time.monotonic() - started, moved)
+        if self.packs.on_recycle is not None:
+            self.packs.on_recycle(time.monotonic() - started, moved)
 
     async def _drain(self, worker: Worker) -> None:
         """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
         deadline = time.monotonic() + DRAIN_SECONDS
         while worker.in_flight and worker.serving and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_CHECK_SECONDS)
-
-
-async def to_the_end(work: Awaitable[T]) -> T:
-    """`work`'s result, awaited in a task of its own that cancelling the caller does not stop: the
-    caller waits for it all the same, and is cancelled once it is done (an error of the work's
-    after that is logged, not raised: the caller's cancellation is what it must see)."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        if task.cancelled():  # the work itself was cancelled: the loop is closing
-            raise
-        while not task.done():
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError:  # cancelled again meanwhile: still waits
-                pass
-        if not task.cancelled() and task.exception() is not None:
-            log.error("a move whose caller was cancelled failed", exc_info=task.exception())
-        raise
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:
@@ -369,7 +357,7 @@ def switch(model: Model, old: Worker, new: Worker) -> None:
     model.replicas.remove(old)
 
 
-def _moves_with(pack: Pack, model: Model) -> bool:
+def moves_with(pack: Pack, model: Model) -> bool:
     """Whether a member of `pack` moves when it is recycled or compacted: one loaded there, whether
     the model is ready or still loads its other replicas (left behind, it would go with the pack)."""
     return model.model_id in pack.charged and pack.worker in model.workers and model.state in _MOVING_STATES

@@ -30,6 +30,9 @@ from plumbing import lifeline, priority
 from runtime.forkserver import BASE_GROUP
 from workers import protocol
 
+# How often calls_answered() looks: an unload waits for it.
+CALLS_CHECK_SECONDS = 0.001
+
 
 class WorkerState(enum.Enum):
     STARTING = "starting"  # forked, has not said hello
@@ -201,3 +204,13 @@ class Worker:
         if self.packed:
             return f"<pack {self.identity.decode()} pid={self.pid} models={len(self.models)}>"
         return f"<worker {self.identity.decode()} pid={self.pid} model={self.model_id}>"
+
+
+async def calls_answered(worker: Worker, model_id: str, within: float) -> bool:
+    """Whether the worker answers every call of the model it was sent (or dies) within `within` s."""
+    deadline = time.monotonic() + within
+    while worker.calls.get(model_id) and worker.alive:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(CALLS_CHECK_SECONDS)
+    return True

@@ -208,6 +208,21 @@ SLOW_MODEL = """
 """
 
 
+# A model whose load waits until a file named "go" appears in its folder (a minute at most).
+GATED_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(path, "go")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        def predict(self, inputs):
+            return dict(inputs)
+    """
+
+
 def packed(**env) -> Runtime:
     settings = {"MODELS_PER_WORKER": "4", "WORKERS_WARM": "1", "MODEL_PACK_MAX_BYTES": str(32 * MiB)}
     return Runtime(**{**settings, **env})
@@ -312,7 +327,7 @@ def test_a_recycle_whose_fresh_pack_cannot_load_the_survivors_ends_it_and_they_h
         (old,) = pack_pids(rt)
         shutil.rmtree(gone)  # its files vanish: the fresh pack cannot load the first survivor
         rt.unload("leaky")
-        assert "cannot recycle into" in rt.log() and not psutil.pid_exists(old)
+        assert "cannot move models into" in rt.log() and not psutil.pid_exists(old)
         wait_until(lambda: answers(rt, "b"), timeout=20, what="the survivor healed into a new pack")
         wait_until(lambda: len(pack_pids(rt)) == 1, timeout=20, what="no pack left over")
 
@@ -409,6 +424,27 @@ def test_a_cancelled_load_in_a_pack_recycles_it_and_the_survivor_serves_on():
         assert not psutil.pid_exists(old), "the pack that may still be loading it is reaped"
         assert answers(rt, "echo")
         assert old not in pack_pids(rt) and len(pack_pids(rt)) == 1
+
+
+def test_a_load_that_runs_long_moves_the_packs_other_models_out_and_they_answer_meanwhile():
+    with packed(METRICS_PORT=str(free_port())) as rt:
+        echo_size = rt.load("echo", rt.model_dir("echo")).sizeInBytes
+        (old,) = pack_pids(rt)
+        gated = rt.model_dir("gated", GATED_MODEL)
+        loading = rt.load_future("gated", gated)
+        recycles = lambda: metric_sample(scrape_metrics(rt), "mesh_pack_recycle_seconds_count")  # noqa: E731
+        wait_until(lambda: recycles() == 1, timeout=20, what="echo moved out while gated loads")
+        assert pack_of(rt, "echo") != old and all(answers(rt, "echo") for _ in range(3))
+        assert not loading.done() and "the load of gated" in rt.log()
+        open(os.path.join(gated, "go"), "w").close()
+        gated_size = loading.result(timeout=30).sizeInBytes
+        # The old pack dropped its copy of echo before loadModel returned, and charges gated all its base.
+        assert "models=1" in " ".join(psutil.Process(old).cmdline())
+        assert pack_of(rt, "gated") == old and answers(rt, "gated") and gated_size > 2 * echo_size
+        rt.load("next", rt.model_dir("next"))
+        assert pack_of(rt, "next") == pack_of(rt, "echo")  # the old pack takes no other model
+        rt.unload("gated")
+        assert not psutil.pid_exists(old) and answers(rt, "echo") and answers(rt, "next")
 
 
 def test_a_pack_still_running_a_load_given_up_on_is_not_taken_for_hung_while_it_is_recycled():
@@ -733,6 +769,7 @@ def pack_of(rt: Runtime, model_id: str) -> int:
 def test_a_load_neither_queues_behind_another_nor_goes_where_a_first_call_is_due():
     with packed(WORKERS_WARM="2") as rt:
         rt.load("first", rt.model_dir("first"))
+        (first_pack,) = pack_pids(rt)
         wait_until(lambda: len(alive(rt.spares())) == 2, timeout=30, what="two spares")
         slow = rt.load_future("slow", rt.model_dir("slow", SLOW_MODEL))
         wait_until(
@@ -743,11 +780,10 @@ def test_a_load_neither_queues_behind_another_nor_goes_where_a_first_call_is_due
         assert not slow.done(), "the quick load did not wait for the slow one"
         assert pack_of(rt, "quick") != pack_of(rt, "first")
         slow.result(timeout=30)
-        assert pack_of(rt, "slow") == pack_of(rt, "first")
-        assert answers(rt, "quick")  # slow is just loaded and not yet called: its pack is passed over
+        assert pack_of(rt, "slow") == first_pack  # and "first" moved out while it loaded
+        assert answers(rt, "quick")
         rt.load("third", rt.model_dir("third"))
-        assert pack_of(rt, "third") == pack_of(rt, "quick")
-        assert len(pack_pids(rt)) == 2
+        assert pack_of(rt, "third") != first_pack  # left to the slow model
         assert all(answers(rt, m) for m in ("first", "slow", "quick", "third"))
 
 
@@ -813,7 +849,7 @@ def test_a_recycle_runs_to_its_end_though_the_load_that_set_it_off_is_cancelled(
 def test_work_run_to_the_end_finishes_and_its_caller_is_cancelled_after_it(caplog):
     import asyncio
 
-    from runtime.repacking import to_the_end
+    from runtime.tasks import to_the_end
 
     steps = []
 

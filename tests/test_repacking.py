@@ -4,106 +4,15 @@ so the order of the steps is the test's to set."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import types
 
 import pytest
+from standins import StandInPool, StandInWorker, holding, ready_model, until
 
 from runtime import memory, packs, repacking
 from runtime.healing import Healer
-from runtime.model import ModelState
-from runtime.replicas import ReplicaSet
 from runtime.settings import Settings
 from runtime.worker import WorkerState
-
-
-class StandInWorker:
-    def __init__(self, name: str, state: WorkerState = WorkerState.SERVING):
-        self.name, self.pid, self.packed = name, 4000 + len(name), True
-        self.identity = name.encode()
-        self.state = state
-        self.models: set[str] = set()
-        self.held: set[str] = set()  # what the process would hold
-        self.in_flight = 0
-        self.calls: dict[str, int] = {}
-        self.running: frozenset[str] = frozenset()
-        self.kill_cause = None
-        self.exited = asyncio.get_running_loop().create_future()
-        self.load_seconds = 0.01
-        self.refuses_loads = False
-
-    alive = property(lambda self: self.state is not WorkerState.EXITED)
-    serving = property(lambda self: self.state is WorkerState.SERVING)
-
-
-class StandInPool:
-    """Loads and drops as a pack would: a second load of a model it holds is refused."""
-
-    def __init__(self, *spares: StandInWorker):
-        self.killed: list[StandInWorker] = []
-        self.loading: list[str] = []  # each load sent, in order
-        self.to_take = list(spares)
-        self.takes = 0
-
-    def spares(self):
-        return []
-
-    def replenish(self):
-        pass
-
-    async def take(self, format_name):
-        self.takes += 1
-        await asyncio.sleep(0.01)  # a fork
-        return self.to_take.pop(0)
-
-    async def send_load(self, worker, model_id, format_name, path, pack=False):
-        self.loading.append(model_id)
-        await asyncio.sleep(worker.load_seconds)
-        worker.models.add(model_id)
-        if worker.state is WorkerState.SPARE:
-            worker.state = WorkerState.SERVING
-        if model_id in worker.held or worker.refuses_loads:
-            return {"ok": False, "message": f"{model_id} is loaded already"}
-        worker.held.add(model_id)
-        return {"ok": True}
-
-    async def send_drop(self, worker, model_id):
-        worker.models.discard(model_id)
-        worker.held.discard(model_id)
-        return {"ok": True}
-
-    def kill(self, worker, cause, reason, grace=0.0):
-        if worker.alive:
-            self.killed.append(worker)
-            worker.kill_cause = cause
-            worker.state = WorkerState.EXITED
-            worker.exited.set_result(-9)
-
-
-def ready_model(model_id: str):
-    fmt = types.SimpleNamespace(name="python", loads_on_any_thread=False, first_calls_bytes=0)
-    spec = types.SimpleNamespace(format=fmt, path=f"/m/{model_id}")
-    return types.SimpleNamespace(
-        model_id=model_id,
-        spec=spec,
-        workers=[],
-        replicas=ReplicaSet(model_id, 3, 10),
-        state=ModelState.READY,
-        ready=True,
-        called=True,
-        packed=True,
-        crashes=collections.deque(),
-    )
-
-
-def holding(pack: packs.Pack, *models) -> None:
-    for model in models:
-        pack.members[model.model_id] = model
-        pack.charged[model.model_id], pack.growth_charged[model.model_id] = 100, 50
-        pack.grown[model.model_id] = 50
-        pack.worker.held.add(model.model_id)
-        model.workers.append(pack.worker)
-        model.replicas.add(pack.worker)
 
 
 @pytest.fixture(autouse=True)
@@ -178,11 +87,6 @@ def test_a_compaction_that_waited_for_its_target_moves_nothing_into_it_once_it_i
     assert asyncio.run(scenario()) == ["a", "b", "m1", "t0", "t1", "t2"]  # six places, m2 not in
 
 
-async def until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.001)
-
-
 def test_a_recycle_keeps_the_charges_of_models_whose_old_pack_dies_before_they_move():
     async def scenario():
         fresh = StandInWorker("F", WorkerState.SPARE)
@@ -192,7 +96,7 @@ def test_a_recycle_keeps_the_charges_of_models_whose_old_pack_dies_before_they_m
         old.base_bytes = 1
         holding(old, ready_model("a"), ready_model("b"))
         async with old.lock:
-            recycle = asyncio.create_task(pack_set._repacker.recycle(old, "a test"))
+            recycle = asyncio.create_task(pack_set.repacker.recycle(old, "a test"))
             await until(lambda: pool.takes)  # it waits for a spare to take
             pack_set.forget(old.worker)  # the old pack died: what the reaper does to the packs
             old.worker.state = WorkerState.EXITED
@@ -223,7 +127,7 @@ def test_a_failed_heal_does_not_drop_its_model_from_the_pack_a_move_has_just_put
             settings=settings, metrics=None, pool=pool, packs=pack_set, discard=lambda model: None
         )
         async with recycled.lock:  # a neighbour's unload recycles the pack
-            recycle = asyncio.create_task(pack_set._repacker.recycle(recycled, "a test"))
+            recycle = asyncio.create_task(pack_set.repacker.recycle(recycled, "a test"))
             await until(lambda: "m" in pool.loading)  # m loads in the fresh pack
             heal = asyncio.create_task(Healer(supervisor)._reload_into_a_pack(healed))
             await recycle

@@ -1,0 +1,103 @@
+"""A load that runs long in a pack: the pack's other models move out, and the pack is left to it.
+
+A pack runs a load on its main thread (or waits on it while its idle loader
+runs it: workers/holding.py), so while one model's constructor runs, the
+pack's other models answer no call. A load of a model small enough for a
+pack takes milliseconds; one that runs past SLOW_LOAD_SECONDS (a constructor
+that sleeps, downloads, or never returns) would otherwise hold its
+neighbours' calls for as long as it runs, up to LOADTIME_TIMEOUT.
+
+So once a load has run that long beside models loaded in the pack, those
+models load into a fresh pack and their calls switch there while the load
+runs on. Calls sent to the old pack
+before the switch are answered there once the load is in. The old pack is
+then the slow model's alone: it takes no other model and ends with it, and
+the model is charged all of the pack's base, as a worker of its own would
+be. Once its load is in (or failed), the pack drops its copies of the models
+that moved out, after the calls sent to them there are answered, so that
+what it holds beyond its model is charged to no one only while the load
+runs. Where no fresh pack can be had (WORKERS_MAX reached), the models stay
+and wait for the load.
+
+A load given up on meanwhile (cancelled by its unload, or LOADTIME_TIMEOUT)
+marks the pack abandoned, as any load given up on in a pack does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from runtime.model import Model
+from runtime.repacking import DRAIN_SECONDS, moves_with
+from runtime.tasks import to_the_end
+from runtime.worker import calls_answered
+
+if TYPE_CHECKING:
+    from runtime.packs import Pack, Packs
+
+log = logging.getLogger("mesh.packs")
+
+# How long a load into a pack may hold the pack's other models before they move out: far longer
+# than loading a model small enough for a pack takes (docs/density.md), far shorter than the
+# deadlines of the calls it holds up.
+SLOW_LOAD_SECONDS = 0.5
+
+
+async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dict:
+    """Holding the pack's lock: has it load the model, its reply; if the load runs past
+    SLOW_LOAD_SECONDS, the pack's other models move out meanwhile."""
+    load = asyncio.ensure_future(packs.send_load(pack, model))
+    try:
+        await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
+        if not load.done():
+            await to_the_end(_leave_to(packs, pack, model))
+        return await load
+    finally:
+        if not load.done():  # given up on while the others moved out
+            pack.give_up_load()
+            load.cancel()
+
+
+async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
+    """Holding the pack's lock while `loading` loads there: the pack's other models move to a fresh
+    pack, and it is left to `loading`. Where they cannot move, it stays as it was."""
+    started = time.monotonic()
+    movers = [m for m in pack.members.values() if m is not loading and moves_with(pack, m)]
+    if not movers or not pack.open:
+        return
+    pack.open = False
+    log.warning(
+        "the load of %s in %r runs long: its %d other models move to a fresh pack",
+        loading.model_id,
+        pack.worker,
+        len(movers),
+    )
+    moved = await packs.repacker.into_fresh_pack(pack, movers, "they wait for that load")
+    # Those now in the fresh pack (their charges went with them): still held here until the load is in.
+    pack.left_behind.update(m.model_id for m in movers if m.model_id not in pack.charged)
+    # Those whose calls did not switch (an unload of theirs waits for this pack's lock) stay members.
+    pack.members = {i: m for i, m in pack.members.items() if m not in movers or pack.worker in m.workers}
+    packs.pool.replenish()  # the spare it took: no reap of this pack refills it
+    if not moved:
+        pack.open = pack.worker.serving and not pack.abandoned
+        return
+    pack.left_to = loading
+    if packs.on_recycle is not None:
+        packs.on_recycle(time.monotonic() - started, len(moved))
+
+
+async def drop_left_behind(packs: Packs, pack: Pack) -> None:
+    """Holding the pack's lock once the load it was left to returned: it drops the models that
+    moved out, each once the calls sent to it there are answered (or DRAIN_SECONDS passed, after
+    which a recycled pack is killed under them too). Raises PeerGone if the pack dies."""
+    worker = pack.worker
+    while pack.left_behind and worker.serving:
+        model_id = pack.left_behind.pop()
+        if not await calls_answered(worker, model_id, DRAIN_SECONDS):
+            log.warning(
+                "%r still runs calls of %s, which moved out: it drops it all the same", worker, model_id
+            )
+        await packs.pool.send_drop(worker, model_id)

@@ -1,0 +1,126 @@
+"""A load that runs long in a pack (runtime/slowloads.py), in-process with stand-in workers: the
+pack's other models move out while it runs, and the pack is left to it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from standins import StandInPool, StandInWorker, holding, ready_model, until
+
+from runtime import memory, packs, slowloads
+from runtime.settings import Settings
+from runtime.worker import WorkerState
+
+MEASURED = 10 * 2**20  # what every stand-in pack costs, measured
+BASE = 4 * 2**20
+
+
+@pytest.fixture(autouse=True)
+def quick_stand_ins(monkeypatch):
+    monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
+    monkeypatch.setattr(memory, "cost_or_zero", lambda pid: MEASURED)
+    monkeypatch.setattr(memory, "FRONT_SHARE_BYTES", 0)
+    monkeypatch.setattr(slowloads, "SLOW_LOAD_SECONDS", 0.05)
+
+
+def pack_of_two(*spares: StandInWorker, threads: int = 1):
+    """Packs of 4 over a pool of `spares`, and a pack holding models a and b whose loads take 0.3 s."""
+    settings = Settings.from_env({"MODELS_PER_WORKER": "4", "WORKER_THREADS": str(threads)})
+    recycles: list[tuple[float, int]] = []
+    pool = StandInPool(*spares)
+    pack_set = packs.Packs(
+        settings, pool, on_recycle=lambda seconds, moved: recycles.append((seconds, moved))
+    )
+    old = pack_set.new_pack(StandInWorker("O"), "python")
+    old.base_bytes = BASE
+    holding(old, ready_model("a"), ready_model("b"))
+    old.worker.load_seconds = 0.3
+    return pack_set, pool, old, recycles
+
+
+def test_the_others_move_out_while_a_load_runs_long_and_the_pack_is_left_to_it():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pack_set, pool, old, recycles = pack_of_two(fresh)
+        slow = ready_model("slow")
+        loading = asyncio.create_task(pack_set.load(slow, avoid=[]))
+        await until(lambda: pack_set.of(fresh) is not None and pack_set.of(fresh).open)
+        moved_while_loading = not loading.done()
+        worker, reply, size = await loading
+        return pack_set, old, fresh, recycles, moved_while_loading, worker, reply, size
+
+    pack_set, old, fresh, recycles, moved_while_loading, worker, reply, size = asyncio.run(scenario())
+    assert moved_while_loading and worker is old.worker and reply["ok"]
+    a, b = (pack_set.of(fresh).members[m] for m in ("a", "b"))
+    assert a.workers == [fresh] and b.workers == [fresh]  # their calls go to the fresh pack
+    assert sorted(pack_set.of(fresh).charged) == ["a", "b"]  # with what they were charged
+    # The old pack dropped its copies once the load was in, holds the slow model alone, takes no other
+    # model, and charges it all of its base.
+    assert old.worker.held == {"slow"} and list(old.members) == ["slow"] and not old.open
+    assert old.left_behind == set() and size == MEASURED + packs.PER_MODEL_BYTES
+    assert [moved for _, moved in recycles] == [2]
+
+
+def test_where_no_fresh_pack_can_be_had_the_others_stay_and_the_pack_takes_models_again():
+    async def scenario():
+        pack_set, pool, old, recycles = pack_of_two()  # no spare, as at WORKERS_MAX
+        slow = ready_model("slow")
+        _, reply, size = await pack_set.load(slow, avoid=[])
+        return old, recycles, reply, size
+
+    old, recycles, reply, size = asyncio.run(scenario())
+    assert reply["ok"] and old.open and old.left_to is None
+    assert sorted(old.members) == ["a", "b", "slow"] and old.worker.held == {"a", "b", "slow"}
+    # What no other model is charged, and a share of the base, as any packed model.
+    others = 50 + 50
+    assert recycles == [] and size == MEASURED - BASE - others + BASE // 4 + packs.PER_MODEL_BYTES
+
+
+def test_a_load_given_up_on_while_the_others_move_out_lets_the_move_end_and_its_unload_ends_the_pack():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        fresh.load_seconds = 0.1
+        pack_set, pool, old, _ = pack_of_two(fresh)
+        slow = ready_model("slow")
+        loading = asyncio.create_task(pack_set.load(slow, avoid=[]))
+        await until(lambda: "a" in pool.loading)  # the move is under way
+        loading.cancel()  # the load's unload (discard) cancels it
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        moved = pack_set.of(fresh) is not None and sorted(pack_set.of(fresh).charged)
+        await pack_set.remove(slow)
+        return pool, old, fresh, moved
+
+    pool, old, fresh, moved = asyncio.run(scenario())
+    assert moved == ["a", "b"]  # the move ran to its end
+    assert old.abandoned and pool.killed == [old.worker]  # the pack, maybe still loading, is ended
+    assert fresh not in pool.killed and fresh.held == {"a", "b"}
+
+
+def test_the_calls_sent_to_the_old_pack_are_answered_before_it_drops_the_models_that_moved():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pack_set, pool, old, _ = pack_of_two(fresh, threads=2)
+        old.worker.calls["a"] = old.worker.in_flight = 1  # sent before the move, waiting for the load
+        dropped_at = {}
+        send_drop = pool.send_drop
+
+        async def noting_drop(worker, model_id):
+            dropped_at[model_id] = time.monotonic()
+            return await send_drop(worker, model_id)
+
+        pool.send_drop = noting_drop
+        loading = asyncio.create_task(pack_set.load(ready_model("slow"), avoid=[]))
+        await until(lambda: old.worker.held == {"a", "b", "slow"})  # the load is in
+        await asyncio.sleep(0.05)
+        answered_at = time.monotonic()
+        old.worker.calls.clear()
+        old.worker.in_flight = 0
+        await loading
+        return dropped_at, answered_at, old
+
+    dropped_at, answered_at, old = asyncio.run(scenario())
+    assert answered_at < dropped_at["a"] and "b" in dropped_at
+    assert old.worker.held == {"slow"}
