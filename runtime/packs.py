@@ -97,6 +97,7 @@ class Pack:
         self.abandoned = False  # a load was given up while the pack may still run it
         self.left_to: Model | None = None  # its others moved out while this one's load ran long
         self.left_behind: set[str] = set()  # ids of models that moved out, still held until that load is in
+        self.left = asyncio.Event()  # set once it is left to that load
         self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
         self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
         self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
@@ -186,11 +187,11 @@ class Packs:
         """
         while True:
             pack = await self._place(model, avoid)
-            async with pack.lock:
-                if pack.open and model.model_id in pack.members:
+            async with slowloads.lock_unless_left(pack) as locked:
+                if locked and pack.open and model.model_id in pack.members:
                     reply, size = await self._load_into(pack, model)
                     return pack.worker, reply, size
-            pack.members.pop(model.model_id, None)  # recycled or emptied while we waited: again
+            pack.members.pop(model.model_id, None)  # recycled, emptied or left to a load meanwhile: again
 
     async def _place(self, model: Model, avoid: list[Worker]) -> Pack:
         """A pack with room for the model, its place taken at once; a spare becomes one if none has."""

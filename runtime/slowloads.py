@@ -16,8 +16,9 @@ the model is charged all of the pack's base, as a worker of its own would
 be. Once its load is in (or failed), the pack drops its copies of the models
 that moved out, after the calls sent to them there are answered, so that
 what it holds beyond its model is charged to no one only while the load
-runs. Where no fresh pack can be had (WORKERS_MAX reached), the models stay
-and wait for the load.
+runs. A load of another model placed in the pack before the move stops
+waiting for its lock then, and goes elsewhere. Where no fresh pack can be had
+(WORKERS_MAX reached), the models stay and wait for the load.
 
 A load given up on meanwhile (cancelled by its unload, or LOADTIME_TIMEOUT)
 marks the pack abandoned, as any load given up on in a pack does.
@@ -26,8 +27,10 @@ marks the pack abandoned, as any load given up on in a pack does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from runtime.model import Model
@@ -85,8 +88,37 @@ async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
         pack.open = pack.worker.serving and not pack.abandoned
         return
     pack.left_to = loading
+    pack.left.set()
     if packs.on_recycle is not None:
         packs.on_recycle(time.monotonic() - started, len(moved))
+
+
+@contextlib.asynccontextmanager
+async def lock_unless_left(pack: Pack) -> AsyncIterator[bool]:
+    """The pack's lock, held for the block (True); or, once the pack is left to a load that runs
+    long, False and not held: a load placed in the pack before then goes elsewhere instead of
+    waiting that load out."""
+    if not pack.lock.locked():  # taken at once, as `async with pack.lock` would: no other load sees it free
+        async with pack.lock:
+            yield True
+        return
+    acquiring = asyncio.ensure_future(pack.lock.acquire())
+    leaving = asyncio.ensure_future(pack.left.wait())
+    held = False
+    try:
+        await asyncio.wait([acquiring, leaving], return_when=asyncio.FIRST_COMPLETED)
+        held = acquiring.done()
+    finally:
+        leaving.cancel()
+        if not acquiring.done():
+            acquiring.cancel()  # an acquire cancelled before it is done never holds the lock
+        elif not held:  # the wait was cancelled once the lock was ours
+            pack.lock.release()
+    try:
+        yield held
+    finally:
+        if held:
+            pack.lock.release()
 
 
 async def drop_left_behind(packs: Packs, pack: Pack) -> None:

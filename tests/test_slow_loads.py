@@ -124,3 +124,20 @@ def test_the_calls_sent_to_the_old_pack_are_answered_before_it_drops_the_models_
     dropped_at, answered_at, old = asyncio.run(scenario())
     assert answered_at < dropped_at["a"] and "b" in dropped_at
     assert old.worker.held == {"slow"}
+
+
+def test_a_load_placed_in_the_pack_before_the_move_goes_elsewhere_without_waiting_for_the_slow_load():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pack_set, pool, old, _ = pack_of_two(fresh)
+        slow = asyncio.create_task(pack_set.load(ready_model("slow"), avoid=[]))
+        await until(lambda: "slow" in pool.loading)
+        # No spare is ready and the one pack with room is loading: "next" waits for its lock.
+        following = asyncio.create_task(pack_set.load(ready_model("next"), avoid=[]))
+        await until(lambda: "next" in old.members)
+        worker, reply, _ = await following
+        return worker, reply, slow.done(), old, await slow
+
+    worker, reply, slow_done, old, _ = asyncio.run(scenario())
+    assert worker.name == "F" and reply["ok"] and not slow_done  # beside the models that moved
+    assert "next" not in old.members and old.worker.held == {"slow"}
