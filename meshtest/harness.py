@@ -301,8 +301,13 @@ class Runtime:
         return [p for p in self.workers() if "worker spare" in " ".join(_cmdline(p))]
 
     def forkservers(self) -> list[psutil.Process]:
-        """The fork servers running: the base one, and one per framework a model was loaded of."""
-        return [p for p in tree(self.pid) if "mesh-runtime forkserver" in " ".join(_cmdline(p))]
+        """The fork servers running: the base one, and one per framework a model was loaded of. The
+        front's children alone: a worker just forked carries its fork server's title for a moment."""
+        try:
+            children = psutil.Process(self.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [p for p in children if "mesh-runtime forkserver" in " ".join(_cmdline(p))]
 
     def spares_wanted(self, warm: int) -> int:
         """The spares a settled runtime keeps: `warm` (its WORKERS_WARM) per fork server."""

@@ -16,6 +16,7 @@ import time
 
 FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
 _PR_SET_PDEATHSIG = 1
+_PF_EXITING = 0x4  # a task's flag in /proc/PID/stat
 
 
 def die_with_parent(expected_parent: int | None) -> None:
@@ -113,6 +114,13 @@ def is_running(identity: tuple[int, int] | list[int]) -> bool:
     pid, started = identity
     fields = _stat_fields(pid)
     return fields is not None and int(fields[19]) == started and fields[0] != "Z"
+
+
+def is_exiting(pid: int) -> bool:
+    """Whether the process has begun to exit, or is a zombie: the kernel flags it so before it
+    tears its memory down, closes its files and signals its children's parent death."""
+    fields = _stat_fields(pid)
+    return fields is not None and bool(int(fields[6]) & _PF_EXITING)
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -77,6 +77,7 @@ class ForkServers:
         self._on_started: Callable[[int], None] = on_started  # told each new fork server's pid
         self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
         self._pids: dict[str, int] = {}
+        self._dead: set[int] = set()  # the pids of fork servers that died and were reaped
 
     def groups(self) -> tuple[str, ...]:
         """The base fork server, then one per framework (or family of them) in WORKER_PRELOAD."""
@@ -130,6 +131,28 @@ class ForkServers:
         assert process.pid is not None  # start() returned: the fork server sent the child's pid
         return process.pid
 
+    def pid_of(self, group: str) -> int | None:
+        return self._pids.get(group)
+
+    def revive_if_dead(self, group: str, pid: int | None) -> bool:
+        """Whether the group's fork server `pid` has died (its workers die with it). If so, it is
+        reaped and another started, as the next start of a worker would do: a zombie till then."""
+        if pid in self._dead:
+            return True
+        if pid is None or not lifeline.is_exiting(pid):
+            return False
+        try:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it is a zombie, not reaping it
+        except ChildProcessError:  # reaped already by something else: its pid now names a stranger
+            return False
+        try:
+            server = self._server(group)
+            server.ensure_running()  # reaps it and starts another
+            self._note_pid(group, server)
+        except Exception:
+            log.exception("the %s fork server died and could not be started again", group)
+        return True
+
     def stop(self) -> None:
         """Stops and reaps every fork server and the resource tracker.
 
@@ -149,6 +172,7 @@ class ForkServers:
         elif self._pids.get(group) != pid:
             if group in self._pids:
                 log.warning("the %s fork server died; multiprocessing started another", group)
+                self._dead.add(self._pids[group])
             self._pids[group] = pid
             log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
             self._on_started(pid)

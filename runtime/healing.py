@@ -56,8 +56,10 @@ class Healer:
             members = [model] if model is not None else []
         # A loading model learns of the death from its pending load request.
         hit = [m for m in members if m.state is ModelState.READY and worker in m.workers]
-        # A recycled pack's models that did not move are not to blame for its end.
-        at_fault = [] if worker.kill_cause is KillCause.RECYCLED else blamed(hit, worker)
+        # A recycled pack's models that did not move are not to blame for its end, nor any model for
+        # its fork server's death.
+        innocent = worker.kill_cause is KillCause.RECYCLED or worker.orphaned
+        at_fault = [] if innocent else blamed(hit, worker)
         for model in hit:
             self._lose_worker(model, worker, exit_code, model in at_fault)
 
@@ -66,6 +68,8 @@ class Healer:
         model.workers.remove(worker)
         model.replicas.remove(worker)
         cause = worker.kill_reason or status.describe_exit(exit_code)
+        if worker.orphaned:  # its exit code is multiprocessing's for "the fork server did not say"
+            cause = "its fork server died"
         self.metrics.observe_restart(model.model_id, worker.death_label)
         if blamed and self._crash_limit_reached(model):
             log.error(

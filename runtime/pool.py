@@ -214,13 +214,8 @@ class WorkerPool:
             worker.kill_cause, worker.kill_reason = cause, reason
             worker.change_state(WorkerState.CONDEMNED)
             extra = {"model_id": worker.model_id} if worker.model_id else None
-            log.log(
-                logging.DEBUG if cause.expected else logging.WARNING,
-                "killing %r: %s",
-                worker,
-                reason,
-                extra=extra,
-            )
+            level = logging.DEBUG if cause.expected else logging.WARNING
+            log.log(level, "killing %r: %s", worker, reason, extra=extra)
             if grace > 0:
                 worker.signal(signal.SIGTERM)
                 asyncio.get_running_loop().call_later(grace, worker.kill_now)
@@ -314,6 +309,7 @@ class WorkerPool:
             loop = asyncio.get_running_loop()
             try:
                 worker.pid = await loop.run_in_executor(self._spawner, self._start_process, group, process)
+                worker.forked_by = self._forkservers.pid_of(group)
             except BaseException:
                 self._workers.pop(identity, None)
                 self.beats.free(slot)  # its process did not start
@@ -378,7 +374,11 @@ class WorkerPool:
         self._schedule_refill()
 
     def _collect_exit(self, worker: Worker) -> int | None:
-        """Spawner thread: read the exit code the fork server wrote, free the process object."""
+        """Spawner thread: read the exit code the fork server wrote, free the process object, note
+        whether the worker died with its fork server (which is then started again)."""
+        worker.orphaned = not self._closing and self._forkservers.revive_if_dead(
+            worker.group, worker.forked_by
+        )
         process = worker.process
         pid = worker.pid
         assert pid is not None  # _spawn_one watches the sentinel only once the pid is set

@@ -75,6 +75,8 @@ class KillCause(enum.Enum):
 
 # The label of a worker that died without the front killing it.
 CRASH_LABEL = "crash"
+# The label of one that died with its fork server.
+ORPHANED_LABEL = "forkserver"
 
 
 class IllegalTransition(RuntimeError):
@@ -89,6 +91,7 @@ class Worker:
         self.identity = identity
         self.process = process
         self.group = group  # the fork server it was forked from (runtime/forkserver.py)
+        self.forked_by: int | None = None  # that fork server's pid
         self._pid: int | None = None
         self.pid_identity: tuple[int, int] | None = None  # (pid, start time): lifeline.is_running()
         self.state = WorkerState.STARTING
@@ -102,6 +105,8 @@ class Worker:
         # What its main thread ran when it died: a model_tag() or NOTHING_RUNNING (packs only).
         self.last_running = protocol.NOTHING_RUNNING
         self.kill_cause: KillCause | None = None
+        # Its fork server had died when it was reaped: its death is not its model's doing.
+        self.orphaned = False
         self.kill_reason = ""  # the sentence for logs and status messages
         self.served = 0
         self.errors = 0
@@ -148,8 +153,10 @@ class Worker:
 
     @property
     def death_label(self) -> str:
-        """The metric label of its death: why the front killed it, or "crash"."""
-        return self.kill_cause.value if self.kill_cause else CRASH_LABEL
+        """The metric label of its death: why the front killed it, "forkserver" or "crash"."""
+        if self.kill_cause:
+            return self.kill_cause.value
+        return ORPHANED_LABEL if self.orphaned else CRASH_LABEL
 
     def signal(self, signum: int, whole_group: bool = False) -> None:
         """Sends a signal if the process may still be there; only the pool calls this. With

@@ -93,3 +93,25 @@ def test_at_workers_max_a_spare_of_another_fork_server_makes_room():
         assert not alive([sklearn_spare])
         assert "mesh-runtime forkserver base " in forkserver_of(rt, "echo2")
         assert rt.model_workers() == 2
+
+
+@pytest.mark.parametrize("per_worker", ["1", "4"])
+def test_a_fork_server_that_dies_is_reaped_at_once_and_its_workers_deaths_count_against_no_model(per_worker):
+    from harness import free_port, metric_sample, scrape_metrics
+
+    env = {"MODEL_CRASH_LIMIT": "1", "MODELS_PER_WORKER": per_worker, "METRICS_PORT": str(free_port())}
+    with Runtime(**env) as rt:
+        rt.load("a", rt.model_dir("a"))
+        (base,) = rt.forkservers()
+        base.kill()
+        # Its worker dies with it: a crash of "a" would drop it (MODEL_CRASH_LIMIT=1), this heals it.
+        wait_until(lambda: "healed a" in rt.log(), timeout=30, what="a healed")
+        assert list(rt.infer_fp32("a", [1.5]).outputs[0].contents.fp32_contents) == [1.5]
+        assert "its fork server died" in rt.log() and "dropping a" not in rt.log()
+        assert not psutil.pid_exists(base.pid), "reaped at once, not left a zombie"
+        # Another is started (a worker just forked from it carries its title for a moment).
+        wait_until(lambda: len(alive(rt.forkservers())) == 1, timeout=10, what="one base fork server")
+        assert (
+            metric_sample(scrape_metrics(rt), "mesh_worker_restarts_total", model="a", cause="forkserver")
+            == 1
+        )
