@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 
-from runtime import forkserver, memory, slowloads
+from runtime import forkserver, memory, repacking, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
@@ -366,8 +366,10 @@ class Packs:
             await self.repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str) -> None:
-        """Kills a pack that holds nothing any more; returns once it is reaped."""
+        """Kills a pack that holds nothing any more, once it answered the calls sent to it (a pack
+        left to a load still owes those of the models that moved out); returns once it is reaped."""
         self.retire(pack)
+        await repacking.drain(pack.worker)
         self.pool.kill(pack.worker, KillCause.UNLOAD, reason)
         await asyncio.shield(pack.worker.exited)
 

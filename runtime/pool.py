@@ -9,9 +9,8 @@ Every worker is forked by one of multiprocessing's fork servers, one per framewo
 one (runtime/forkserver.py), which imported numpy, those frameworks and the worker code once
 (workers/preload.py), so a new worker starts in milliseconds with a few MiB of its own memory. For
 each fork server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py); `take()`
-hands out one of the model's fork server and a background refill forks the next.
-
-The pool owns the beat file (runtime/beats.py): a worker has a slot from spawn until reaped.
+hands out one of the model's fork server and a background refill forks the next. The pool owns
+the beat file (runtime/beats.py): a worker has a slot from spawn until reaped.
 
 A worker's death is seen at once: the event loop watches its process sentinel (a pipe the fork
 server writes the exit code to once it has reaped the child), never a polling loop. `Worker.exited`
@@ -130,7 +129,7 @@ class WorkerPool:
         """A connected idle worker for a model of `format_name`, the caller's (to kill in the end)."""
         group = forkserver.group_for(format_name, self.settings.worker_preload)
         while (worker := self._spares.pop(group)) is None:
-            if self._at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
+            if self.at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
                 raise status.out_of_workers(self.settings.workers_max, not self._room_for_a_worker())
             self._schedule_refill()  # at the cap, it makes room (_refill)
             await self._spares.wait(group)
@@ -234,7 +233,8 @@ class WorkerPool:
 
     # -- spawning ---------------------------------------------------------------
 
-    def _at_cap(self) -> bool:
+    def at_cap(self) -> bool:
+        """No other worker may start: WORKERS_MAX of them run, or the open-file limit holds no more."""
         cap = self.settings.workers_max
         return (cap > 0 and len(self._workers) >= cap) or not self._room_for_a_worker()
 
@@ -252,7 +252,7 @@ class WorkerPool:
             group = self._spares.group_short(self._starting)
             if group is None:
                 return
-            if self._at_cap():
+            if self.at_cap():
                 self._make_room_for(group)
                 return
             try:

@@ -185,7 +185,12 @@ class Repacker:
             log.error("the fresh pack %r died while the survivors moved in", worker)
         finally:
             fresh.open = worker.serving
-        return self._switch_all(loaded, old_pack, fresh)
+        moved = self._switch_all(loaded, old_pack, fresh)
+        # Loaded there but not switched (the fresh pack died meanwhile): charged where they are served.
+        _move_charges(
+            charges, fresh, old_pack, [m for m in loaded if m not in moved and m.state in _MOVING_STATES]
+        )
+        return moved
 
     async def _abandon(self, fresh: Pack, reason: str, otherwise: str) -> None:
         """Ends a fresh pack the survivors cannot move into (`otherwise`: what becomes of them)."""
@@ -310,7 +315,7 @@ class Repacker:
         target.members.pop(model.model_id, None)
         target.worker.models.discard(model.model_id)
         message = reply.get("message")
-        log.error("%s did not load in %r (%s): it heals instead", model.model_id, target.worker, message)
+        log.error("%s did not load in %r (%s): it stays where it was", model.model_id, target.worker, message)
 
     @staticmethod
     def _switch_all(models: list[Model], source: Pack, target: Pack) -> list[Model]:
@@ -325,7 +330,7 @@ class Repacker:
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
         reaped."""
-        await self._drain(pack.worker)
+        await drain(pack.worker)
         pack.open = False
         # Those whose calls still go to it did not move: they stay its members, and heal once
         # it is reaped (Healer.on_worker_exit asks Packs.forget for them).
@@ -337,11 +342,12 @@ class Repacker:
         if self.packs.on_recycle is not None:
             self.packs.on_recycle(time.monotonic() - started, moved)
 
-    async def _drain(self, worker: Worker) -> None:
-        """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
-        deadline = time.monotonic() + DRAIN_SECONDS
-        while worker.in_flight and worker.serving and time.monotonic() < deadline:
-            await asyncio.sleep(DRAIN_CHECK_SECONDS)
+
+async def drain(worker: Worker) -> None:
+    """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while worker.in_flight and worker.serving and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_CHECK_SECONDS)
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:

@@ -17,11 +17,15 @@ be. Once its load is in (or failed), the pack drops its copies of the models
 that moved out, after the calls sent to them there are answered, so that
 what it holds beyond its model is charged to no one only while the load
 runs. A load of another model placed in the pack before the move stops
-waiting for its lock then, and goes elsewhere. Where no fresh pack can be had
-(WORKERS_MAX reached), the models stay and wait for the load.
+waiting for its lock then, and goes elsewhere. A model that cannot move
+stays, served and charged where it was, and the pack stays an ordinary pack.
+At the worker cap (the pool's at_cap()) no move is made: the models wait for
+the load, and the last worker is kept for loads that need a pack.
 
-A load given up on meanwhile (cancelled by its unload, or LOADTIME_TIMEOUT)
-marks the pack abandoned, as any load given up on in a pack does.
+A load given up on meanwhile (cancelled by its unload, or LOADTIME_TIMEOUT),
+even as its reply comes, marks the pack abandoned, as any load given up on in
+a pack does; the pack ends with its unload once it has answered the calls of
+the models that moved out (runtime/packs.py Packs._end).
 """
 
 from __future__ import annotations
@@ -58,10 +62,13 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
         if not load.done():
             await to_the_end(_leave_to(packs, pack, model))
         return await load
-    finally:
-        if not load.done():  # given up on while the others moved out
-            pack.give_up_load()
-            load.cancel()
+    except BaseException:
+        # Given up on (cancelled), even as the reply came: the pack may hold the model, or still load it.
+        pack.give_up_load()
+        load.cancel()
+        if load.done() and not load.cancelled():
+            load.exception()  # seen: the caller's cancellation is what it raises
+        raise
 
 
 async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
@@ -70,6 +77,13 @@ async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
     started = time.monotonic()
     movers = [m for m in pack.members.values() if m is not loading and moves_with(pack, m)]
     if not movers or not pack.open:
+        return
+    if packs.pool.at_cap():  # the last worker it could have is better kept for loads that need one
+        log.warning(
+            "the load of %s in %r runs long; at the worker cap, its other models wait",
+            loading.model_id,
+            pack.worker,
+        )
         return
     pack.open = False
     log.warning(
@@ -81,16 +95,17 @@ async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
     moved = await packs.repacker.into_fresh_pack(pack, movers, "they wait for that load")
     # Those now in the fresh pack (their charges went with them): still held here until the load is in.
     pack.left_behind.update(m.model_id for m in movers if m.model_id not in pack.charged)
-    # Those whose calls did not switch (an unload of theirs waits for this pack's lock) stay members.
+    # Those whose calls did not switch stay members: an unload of theirs waits for this pack's lock,
+    # and one that could not move is served here still.
     pack.members = {i: m for i, m in pack.members.items() if m not in movers or pack.worker in m.workers}
     packs.pool.replenish()  # the spare it took: no reap of this pack refills it
-    if not moved:
+    if moved and packs.on_recycle is not None:
+        packs.on_recycle(time.monotonic() - started, len(moved))
+    if any(m.model_id in pack.charged for m in movers):  # not left to the load alone: a pack as before
         pack.open = pack.worker.serving and not pack.abandoned
         return
     pack.left_to = loading
     pack.left.set()
-    if packs.on_recycle is not None:
-        packs.on_recycle(time.monotonic() - started, len(moved))
 
 
 @contextlib.asynccontextmanager
@@ -126,9 +141,10 @@ async def drop_left_behind(packs: Packs, pack: Pack) -> None:
     moved out, each once the calls sent to it there are answered (or DRAIN_SECONDS passed, after
     which a recycled pack is killed under them too). Raises PeerGone if the pack dies."""
     worker = pack.worker
+    deadline = time.monotonic() + DRAIN_SECONDS
     while pack.left_behind and worker.serving:
         model_id = pack.left_behind.pop()
-        if not await calls_answered(worker, model_id, DRAIN_SECONDS):
+        if not await calls_answered(worker, model_id, max(0.0, deadline - time.monotonic())):
             log.warning(
                 "%r still runs calls of %s, which moved out: it drops it all the same", worker, model_id
             )

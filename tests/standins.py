@@ -39,6 +39,7 @@ class StandInPool:
         self.killed: list[StandInWorker] = []
         self.loading: list[str] = []  # each load sent, in order
         self.to_take = list(spares)
+        self.cap_reached = False  # at WORKERS_MAX: no other worker may start
         self.takes = 0
 
     def spares(self):
@@ -46,6 +47,9 @@ class StandInPool:
 
     def replenish(self):
         pass
+
+    def at_cap(self):
+        return self.cap_reached
 
     async def take(self, format_name):
         self.takes += 1

@@ -11,7 +11,7 @@ import pytest
 from harness import ECHO_MODEL, write_model
 
 from plumbing import yielding
-from workers import formats, protocol
+from workers import formats, holding, protocol
 from workers.holding import Holdings
 
 
@@ -43,13 +43,16 @@ def test_a_pack_holds_several_finds_each_by_id_and_drops_one(echo):
     assert holdings.find("a") is None and holdings.find(None).model_id == "b"
 
 
-def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo):
+def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo, monkeypatch):
+    titles: list[str] = []
+    monkeypatch.setattr(holding.titles, "set_title", lambda title, runtime_dir=None: titles.append(title))
     holdings = Holdings(batch_max=1)
     load(holdings, "a", echo, pack=True)
     broken = write_model(str(tmp_path / "broken"), "raise RuntimeError('no')\n")
     failed = load(holdings, "b", broken, pack=True)
     assert failed["error"] == protocol.ERROR_LOAD and "no" in failed["message"]
     assert list(holdings.by_id) == ["a"]
+    assert titles[-1] == "pack models=1"  # its title counts what it holds, not the load that failed
 
 
 def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_else(monkeypatch):

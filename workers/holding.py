@@ -100,6 +100,7 @@ class Holdings:
                 extra={"model_id": model_id},
             )
             self._after_change(collect=True)  # what the failed load left goes back before measuring
+            self._title()
             return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
         fmt = formats.by_name(header["format"])
         assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
