@@ -193,10 +193,11 @@ class Healer:
 def blamed(models: list[Model], worker: Worker) -> list[Model]:
     """The models a pack's death counts against, of the ready `models` it held.
 
-    Its main thread says in the beat file whose call or load it runs: that
-    model alone, none of these if it was a load (that load fails) or a drop.
-    With call threads, which say nothing, those with calls in it. Else (it
-    died idle: killed from outside, or for its memory) all of them.
+    Its main thread says in the beat file whose call, load or drop it runs
+    (with call threads, its loads and drops alone): that model alone, none of
+    these if it was a load (that load fails) or a drop. Else, with call threads,
+    which say nothing, those with calls in it. Else (it died idle: killed from
+    outside, or for its memory) all of them.
     """
     if worker.last_running != protocol.NOTHING_RUNNING:
         return [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]

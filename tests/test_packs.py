@@ -397,8 +397,9 @@ def test_a_pack_crash_counts_against_the_model_it_ran_not_a_neighbour_whose_call
         assert "dropping a:" not in rt.log()
 
 
-def test_loads_that_crash_their_pack_count_against_none_of_its_models():
-    with packed(MODEL_CRASH_LIMIT="2") as rt:
+@pytest.mark.parametrize("threads", ["1", "4"])  # with call threads too: the main thread runs the load
+def test_loads_that_crash_their_pack_count_against_none_of_its_models(threads):
+    with packed(MODEL_CRASH_LIMIT="2", WORKER_THREADS=threads) as rt:
         rt.load("neighbour", rt.model_dir("neighbour"))
         for _ in range(3):  # model-mesh retries a failed load
             wait_until(lambda: answers_by_now(rt, "neighbour"), timeout=20, what="the neighbour healed")

@@ -103,10 +103,11 @@ class Worker:
                 log.error("the front is gone; exiting")
                 return
 
-    def mark_running(self, model_id: str | None) -> None:
+    def mark_running(self, model_id: str | None, main_thread: bool = False) -> None:
         """Says in the beat file which model's code a pack's main thread runs now (None: none).
-        Call threads mark nothing: several models may run at once."""
-        if self.models.packed and self.pool is None:
+        Call threads mark nothing (several models may run at once); beside them the main thread
+        still marks its own loads and drops (`main_thread`)."""
+        if self.models.packed and (self.pool is None or main_thread):
             self.beats.mark_running(model_id)
 
     def give_heap_back(self) -> None:
@@ -185,9 +186,9 @@ class Worker:
                 for reply in self.on_calls(calls):  # calls that came first are answered first
                     self.send(reply)
                 calls = []
-                self.mark_running(header.get("model_id"))  # a load, or a drop and its model's close()
+                self.mark_running(header.get("model_id"), main_thread=True)  # a load, or a drop and close()
                 reply = self.handlers[op](header, payloads)
-                self.mark_running(None)  # not if it raised: the worker dies of it, that model's doing
+                self.mark_running(None, main_thread=True)  # not if it raised: the worker dies of it
                 self.send(reply)
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
