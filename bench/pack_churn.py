@@ -44,6 +44,7 @@ CHECKPOINT = 1_000
 CAPACITY_BYTES = 96 * MiB
 INFER_SHARE, LOAD_SHARE = 0.5, 0.3
 PYTHON_KEY = json.dumps({"model_type": {"name": "python"}})
+SLOW_LOAD_LOGGED = "runs long: its"  # the front's warning as a pack's other models move out
 
 
 class Pod:
@@ -134,6 +135,8 @@ def run(ops: int = OPS, seed: int = 1) -> dict:
                 one_op(pod, rng)
                 if done % CHECKPOINT == 0:
                     figures["points"].append(checkpoint(pod, meter, base, held, done))
+            # Loads into a pack that ran long enough for its other models to move out (runtime/slowloads.py).
+            figures["slow_load_moves"] = server.rt.log().count(SLOW_LOAD_LOGGED)
     except Exception as error:
         figures["error"] = f"{type(error).__name__}: {error}"[:300]
         progress(f"churn: ERROR {figures['error']}")
@@ -179,6 +182,8 @@ def describe(figures: dict) -> list[str]:
         counts = {k: v for k, v in last.items() if k in ("loads", "unloads", "evictions", "infers")}
         failed = {k: v for k, v in last.items() if k.startswith("infer ")}
         lines.append(f"  operations: {counts}; calls that did not answer OK: {failed or 'none'}")
+        moves = figures.get("slow_load_moves", "-")
+        lines.append(f"  loads that ran long enough to move their pack's other models out: {moves}")
     if "error" in figures:
         lines.append(f"  stopped by {figures['error']}")
     return lines

@@ -33,8 +33,9 @@ def test_the_churn_benchmark_keeps_a_small_pod_full_and_compares_sizes_at_each_c
         assert point["reported_bytes"] <= 8 * MiB and point["growth_bytes"] > 0
         assert point["with_held_back_over_growth"] >= point["reported_over_growth"] > 0
         assert point["page_cache_change_bytes"] is None or isinstance(point["page_cache_change_bytes"], int)
+    assert isinstance(figures["slow_load_moves"], int)  # counted from the runtime's log
     lines = pack_churn.describe(figures)
-    assert len(lines) == 1 + 3 + 2
+    assert len(lines) == 1 + 3 + 3 and "move their pack's other models out" in lines[-1]
     if figures["method"].startswith("cgroup"):  # a cgroup tells its page cache apart
         assert all(isinstance(p["page_cache_change_bytes"], int) for p in figures["points"])
         assert "page cache" in lines[1]
