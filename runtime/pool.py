@@ -362,7 +362,7 @@ class WorkerPool:
         worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
         worker.running = frozenset(model_id for model_id, calls in worker.calls.items() if calls > 0)
-        self.channel.fail_peer(worker.identity, code)
+        self.channel.fail_peer(worker.identity, code, worker.orphaned)
         log.info(
             "%r exited (%s)",
             worker,

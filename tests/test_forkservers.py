@@ -115,3 +115,45 @@ def test_a_fork_server_that_dies_is_reaped_at_once_and_its_workers_deaths_count_
             metric_sample(scrape_metrics(rt), "mesh_worker_restarts_total", model="a", cause="forkserver")
             == 1
         )
+
+
+def test_a_packed_models_heal_cut_short_by_its_new_fork_servers_death_counts_against_it_neither():
+    slow_when_told = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            if os.path.exists(os.path.join(path, "slow")):
+                time.sleep(2)
+
+        def predict(self, inputs):
+            return dict(inputs)
+    """
+    with Runtime(MODEL_CRASH_LIMIT="1", MODELS_PER_WORKER="4") as rt:
+        folder = rt.model_dir("a", slow_when_told)
+        rt.load("a", folder)
+        open(os.path.join(folder, "slow"), "w").close()  # its reloads take 2 s
+        (first,) = rt.forkservers()
+        first.kill()
+        wait_until(lambda: "the worker of a died" in rt.log(), timeout=20, what="a's heal begun")
+        wait_until(lambda: [p for p in alive(rt.forkservers()) if p.pid != first.pid], timeout=20)
+        (second,) = [p for p in alive(rt.forkservers()) if p.pid != first.pid]
+        wait_until(
+            lambda: loading_in(second), timeout=20, what="a reloading in a worker of the second fork server"
+        )
+        second.kill()  # while the heal's reload of "a" runs in one of its workers
+        os.unlink(os.path.join(folder, "slow"))
+        wait_until(lambda: "healed a" in rt.log(), timeout=30, what="a healed")
+        assert "dropping a" not in rt.log()
+        assert list(rt.infer_fp32("a", [1.5]).outputs[0].contents.fp32_contents) == [1.5]
+
+
+def loading_in(server: psutil.Process) -> bool:
+    """Whether a worker of the fork server has a pack's load under way (its title counts the model)."""
+    for worker in alive(server.children()):
+        try:
+            if "pack models=1" in " ".join(worker.cmdline()):
+                return True
+        except psutil.Error:
+            pass
+    return False
