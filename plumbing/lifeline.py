@@ -116,11 +116,13 @@ def is_running(identity: tuple[int, int] | list[int]) -> bool:
     return fields is not None and int(fields[19]) == started and fields[0] != "Z"
 
 
-def is_exiting(pid: int) -> bool:
-    """Whether the process has begun to exit, or is a zombie: the kernel flags it so before it
-    tears its memory down, closes its files and signals its children's parent death."""
+def is_exiting(identity: tuple[int, int]) -> bool:
+    """Whether the process `process_identity` named has begun to exit, or is a zombie: the kernel
+    flags it so before it tears its memory down, closes its files and signals its children's
+    parent death."""
+    pid, started = identity
     fields = _stat_fields(pid)
-    return fields is not None and bool(int(fields[6]) & _PF_EXITING)
+    return fields is not None and int(fields[19]) == started and bool(int(fields[6]) & _PF_EXITING)
 
 
 def _stat_fields(pid: int) -> list[str] | None:

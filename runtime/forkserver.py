@@ -77,7 +77,8 @@ class ForkServers:
         self._on_started: Callable[[int], None] = on_started  # told each new fork server's pid
         self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
         self._pids: dict[str, int] = {}
-        self._dead: set[int] = set()  # the pids of fork servers that died and were reaped
+        self._identities: dict[str, tuple[int, int] | None] = {}  # lifeline.process_identity()
+        self._dead: set[tuple[int, int] | None] = set()  # the identities of those that died, reaped
 
     def groups(self) -> tuple[str, ...]:
         """The base fork server, then one per framework (or family of them) in WORKER_PRELOAD."""
@@ -131,16 +132,25 @@ class ForkServers:
         assert process.pid is not None  # start() returned: the fork server sent the child's pid
         return process.pid
 
-    def pid_of(self, group: str) -> int | None:
-        return self._pids.get(group)
+    def identity_of(self, group: str) -> tuple[int, int] | None:
+        """The group's fork server as lifeline.process_identity() names it (None: not started)."""
+        return self._identities.get(group)
 
-    def revive_if_dead(self, group: str, pid: int | None) -> bool:
-        """Whether the group's fork server `pid` has died (its workers die with it). If so, it is
-        reaped and another started, as the next start of a worker would do: a zombie till then."""
-        if pid in self._dead:
+    def revive_dead(self) -> None:
+        """Reaps and starts again every fork server that died, though no worker of it was reaped to
+        tell (it had none)."""
+        for group, identity in list(self._identities.items()):
+            self.revive_if_dead(group, identity)
+
+    def revive_if_dead(self, group: str, identity: tuple[int, int] | None) -> bool:
+        """Whether the group's fork server `identity` has died (its workers die with it). If so,
+        it is reaped and another started, as the next start of a worker would do: a zombie till
+        then."""
+        if identity in self._dead:
             return True
-        if pid is None or not lifeline.is_exiting(pid):
+        if identity is None or self._identities.get(group) != identity or not lifeline.is_exiting(identity):
             return False
+        pid, _ = identity
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it is a zombie, not reaping it
         except ChildProcessError:  # reaped already by something else: its pid now names a stranger
@@ -172,8 +182,9 @@ class ForkServers:
         elif self._pids.get(group) != pid:
             if group in self._pids:
                 log.warning("the %s fork server died; multiprocessing started another", group)
-                self._dead.add(self._pids[group])
+                self._dead.add(self._identities[group])
             self._pids[group] = pid
+            self._identities[group] = lifeline.process_identity(pid)
             log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
             self._on_started(pid)
 

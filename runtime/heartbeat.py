@@ -12,6 +12,9 @@ gives every worker a fresh silence limit rather than kill it for a pause
 that may have stopped the workers too. A worker running a load or a call
 (one thread) cannot beat either: LOADTIME_TIMEOUT and
 WORKER_REQUEST_TIMEOUT_MS watch those.
+
+The same tick has the pool look at its fork servers, so that one that died
+with no worker of it left is reaped within a second, not at the next spawn.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ async def watch_forever(pool: WorkerPool, silence_limit: float) -> None:
             )
             forgive(pool, now)
         judge(pool, now, silence_limit)
+        pool.revive_forkservers()
 
 
 def forgive(pool: WorkerPool, now: float) -> None:

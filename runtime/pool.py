@@ -34,7 +34,7 @@ import signal
 import time
 
 import workers.main
-from plumbing import lifeline, stacks
+from plumbing import stacks
 from runtime import filelimit, forkserver, heartbeat, status
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
@@ -43,13 +43,11 @@ from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
 from runtime.spares import Spares
 from runtime.worker import KillCause, Worker, WorkerState
+from runtime.workerconfig import worker_config
 from workers import protocol
 
 log = logging.getLogger("mesh.pool")
 
-# A worker that cannot watch the front through a pidfd checks this often that the front
-# still runs, and exits once it is gone: a backstop behind the parent-death signal.
-FRONT_CHECK_SECONDS = 10.0
 SPAWN_TIMEOUT = 30.0
 SPAWN_RETRY_SECONDS = 1.0  # after a failed start; doubled per failure in a row, up to the cap
 SPAWN_BACKOFF_CAP_SECONDS = 30.0
@@ -231,6 +229,12 @@ class WorkerPool:
     def spares(self) -> list[Worker]:
         return self._spares.alive()
 
+    def revive_forkservers(self) -> None:
+        """Has the spawner thread reap, and start again, a fork server that died with no worker of
+        its own to tell (each worker's reap looks at its fork server)."""
+        if not self._closing:
+            self._spawner.submit(self._forkservers.revive_dead)
+
     # -- spawning ---------------------------------------------------------------
 
     def at_cap(self) -> bool:
@@ -281,22 +285,7 @@ class WorkerPool:
         """Forks one worker of `group`'s fork server; whether it said hello."""
         identity = f"w{next(self._ids)}".encode()
         slot = self.beats.allocate()
-        config = {
-            "address": self.channel.address,
-            "identity": identity,
-            "heartbeat_timeout": FRONT_CHECK_SECONDS,
-            "beats": self.beats.path,
-            "beat_slot": slot,
-            "beat_ms": heartbeat.idle_beat_ms(self.settings.worker_heartbeat_timeout_ms),
-            "front": lifeline.process_identity(os.getpid()),
-            "threads": self.settings.worker_threads,
-            "batch_max": self.settings.worker_batch_max,
-            "batch_wait": self.settings.worker_batch_wait_us / 1e6,
-            "sched_batch": self.settings.worker_sched_batch,
-            "runtime_dir": self.settings.runtime_dir,
-            "log_level": self.settings.log_level,
-            "log_format": self.settings.log_format,
-        }
+        config = worker_config(self.settings, identity, self.channel.address, self.beats.path, slot)
         process = self._context.Process(
             target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"
         )
@@ -308,8 +297,10 @@ class WorkerPool:
         try:
             loop = asyncio.get_running_loop()
             try:
-                worker.pid = await loop.run_in_executor(self._spawner, self._start_process, group, process)
-                worker.forked_by = self._forkservers.pid_of(group)
+                start = self._start_process
+                worker.pid, worker.forked_by = await loop.run_in_executor(
+                    self._spawner, start, group, process
+                )
             except BaseException:
                 self._workers.pop(identity, None)
                 self.beats.free(slot)  # its process did not start
@@ -326,11 +317,14 @@ class WorkerPool:
         finally:
             self._starting[group] -= 1
 
-    def _start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
-        """Spawner thread: ask the group's fork server for a child and record it."""
+    def _start_process(
+        self, group: str, process: multiprocessing.process.BaseProcess
+    ) -> tuple[int, tuple[int, int] | None]:
+        """Spawner thread: ask the group's fork server for a child and record it; its pid, and the
+        identity of the fork server that forked it."""
         pid = self._forkservers.start_process(group, process)
         self.registry.add(pid)
-        return pid
+        return pid, self._forkservers.identity_of(group)
 
     # -- events from workers and the OS ---------------------------------------
 

@@ -91,7 +91,9 @@ class Worker:
         self.identity = identity
         self.process = process
         self.group = group  # the fork server it was forked from (runtime/forkserver.py)
-        self.forked_by: int | None = None  # that fork server's pid
+        self.forked_by: tuple[int, int] | None = (
+            None  # that fork server, as lifeline.process_identity() names it
+        )
         self._pid: int | None = None
         self.pid_identity: tuple[int, int] | None = None  # (pid, start time): lifeline.is_running()
         self.state = WorkerState.STARTING

@@ -148,6 +148,15 @@ def test_a_packed_models_heal_cut_short_by_its_new_fork_servers_death_counts_aga
         assert list(rt.infer_fp32("a", [1.5]).outputs[0].contents.fp32_contents) == [1.5]
 
 
+def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started_again():
+    with Runtime(WORKERS_WARM="0") as rt:
+        (base,) = rt.forkservers()
+        base.kill()
+        wait_until(lambda: not psutil.pid_exists(base.pid), timeout=10, what="the dead fork server reaped")
+        wait_until(lambda: len(alive(rt.forkservers())) == 1, timeout=20, what="another started")
+        assert "the base fork server died" in rt.log()
+
+
 def loading_in(server: psutil.Process) -> bool:
     """Whether a worker of the fork server has a pack's load under way (its title counts the model)."""
     for worker in alive(server.children()):

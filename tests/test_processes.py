@@ -424,9 +424,13 @@ def test_a_front_told_to_stop_stops_while_a_helper_holds_its_fork_servers_pipe()
 
 def test_a_process_that_exited_and_is_not_reaped_yet_is_exiting_and_a_running_one_is_not():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    assert not lifeline.is_exiting(child.pid) and not lifeline.is_exiting(os.getpid())
+    identity = lifeline.process_identity(child.pid)
+    assert not lifeline.is_exiting(identity) and not lifeline.is_exiting(
+        lifeline.process_identity(os.getpid())
+    )
     child.stdin.close()  # it exits
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # a zombie now, not reaped
-    assert lifeline.is_exiting(child.pid)
+    assert lifeline.is_exiting(identity)
+    assert not lifeline.is_exiting((child.pid, identity[1] + 1))  # another process that took its pid
     child.wait()
-    assert not lifeline.is_exiting(child.pid)  # gone
+    assert not lifeline.is_exiting(identity)  # gone
