@@ -9,14 +9,13 @@ neighbours' calls for as long as it runs, up to LOADTIME_TIMEOUT.
 
 So once a load has run that long beside models loaded in the pack, those
 models load into a fresh pack and their calls switch there while the load
-runs on. Calls sent to the old pack
-before the switch are answered there once the load is in. The old pack is
-then the slow model's alone: it takes no other model and ends with it, and
-the model is charged all of the pack's base, as a worker of its own would
-be. Once its load is in (or failed), the pack drops its copies of the models
-that moved out, after the calls sent to them there are answered, so that
-what it holds beyond its model is charged to no one only while the load
-runs. A load of another model placed in the pack before the move stops
+runs on. Calls sent to the old pack before the switch are answered there
+once the load is in. The old pack is then the slow model's alone: it takes
+no other model and ends with it, and the model is charged all of the pack's
+base, as a worker of its own would be. Once its load is in (or failed), the
+pack drops its copies of the models that moved out, after the calls sent to
+them there are answered, so that what it holds beyond its model is charged
+to no one only while the load runs. A load of another model placed in the pack before the move stops
 waiting for its lock then, and goes elsewhere. A model that cannot move
 stays, served and charged where it was, and the pack stays an ordinary pack.
 At the worker cap (the pool's at_cap()) no move is made: the models wait for
