@@ -5,7 +5,7 @@ import os
 
 import psutil
 import pytest
-from harness import Runtime, alive, wait_until
+from harness import Runtime, alive, allocating_model, wait_until
 from test_formats import make_examples
 
 from runtime import forkserver
@@ -118,19 +118,8 @@ def test_a_fork_server_that_dies_is_reaped_at_once_and_its_workers_deaths_count_
 
 
 def test_a_packed_models_heal_cut_short_by_its_new_fork_servers_death_counts_against_it_neither():
-    slow_when_told = """
-    import os, time
-
-    class Model:
-        def __init__(self, path):
-            if os.path.exists(os.path.join(path, "slow")):
-                time.sleep(2)
-
-        def predict(self, inputs):
-            return dict(inputs)
-    """
     with Runtime(MODEL_CRASH_LIMIT="1", MODELS_PER_WORKER="4") as rt:
-        folder = rt.model_dir("a", slow_when_told)
+        folder = rt.model_dir("a", allocating_model(0, sleep_s=2))
         rt.load("a", folder)
         open(os.path.join(folder, "slow"), "w").close()  # its reloads take 2 s
         (first,) = rt.forkservers()
@@ -144,8 +133,7 @@ def test_a_packed_models_heal_cut_short_by_its_new_fork_servers_death_counts_aga
         second.kill()  # while the heal's reload of "a" runs in one of its workers
         os.unlink(os.path.join(folder, "slow"))
         wait_until(lambda: "healed a" in rt.log(), timeout=30, what="a healed")
-        assert "dropping a" not in rt.log()
-        assert list(rt.infer_fp32("a", [1.5]).outputs[0].contents.fp32_contents) == [1.5]
+        assert "dropping a" not in rt.log() and rt.infer_fp32("a", [1.5]).outputs
 
 
 def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started_again():
