@@ -59,7 +59,7 @@ class Healer:
         # A recycled pack's models that did not move are not to blame for its end, nor any model for
         # its fork server's death.
         innocent = worker.kill_cause is KillCause.RECYCLED or worker.orphaned
-        at_fault = [] if innocent else blamed(hit, worker, self.settings.worker_threads > 1)
+        at_fault = [] if innocent else blamed(hit, worker)
         for model in hit:
             self._lose_worker(model, worker, exit_code, model in at_fault)
 
@@ -167,11 +167,7 @@ class Healer:
                 worker, reply, _ = await self.packs.load(model, avoid=model.workers)
         except status.RpcError as error:  # WORKERS_MAX: no process to heal into
             reply = {"ok": False, "message": error.message}
-        except PeerGone as gone:
-            if gone.orphaned:  # its pack died with its fork server: tried again, not counted
-                await self.packs.remove(model, keep=model.workers)
-                return
-        except TimeoutError:
+        except (PeerGone, TimeoutError):
             pass
         finally:
             self.pool.replenish()
@@ -194,18 +190,18 @@ class Healer:
             self.supervisor.discard(model)
 
 
-def blamed(models: list[Model], worker: Worker, call_threads: bool = False) -> list[Model]:
+def blamed(models: list[Model], worker: Worker) -> list[Model]:
     """The models a pack's death counts against, of the ready `models` it held.
 
     Its main thread says in the beat file whose call, load or drop it runs
     (with call threads, its loads and drops alone): that model alone, none of
-    these if it was a load (that load fails) or a drop, but with call threads,
-    which say nothing, those with calls in it then, which ran beside it. Else,
-    with call threads, those with calls in it. Else (it died idle: killed from
-    outside, or for its memory) all of them.
+    these if it was a load (that load fails) or a drop, even with calls on
+    call threads beside it: a model whose call crashed the pack then is not
+    counted this once, rather than a neighbour whose call merely ran. Else,
+    with call threads, which say nothing, those with calls in it. Else (it
+    died idle: killed from outside, or for its memory) all of them.
     """
-    running = [m for m in models if m.model_id in worker.running]
     if worker.last_running != protocol.NOTHING_RUNNING:
-        named = [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]
-        return named or (running if call_threads else [])
+        return [m for m in models if protocol.model_tag(m.model_id) == worker.last_running]
+    running = [m for m in models if m.model_id in worker.running]
     return running or models

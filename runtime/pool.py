@@ -356,7 +356,7 @@ class WorkerPool:
         worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
         worker.running = frozenset(model_id for model_id, calls in worker.calls.items() if calls > 0)
-        self.channel.fail_peer(worker.identity, code, worker.orphaned)
+        self.channel.fail_peer(worker.identity, code)
         log.info(
             "%r exited (%s)",
             worker,

@@ -5,7 +5,7 @@ import os
 
 import psutil
 import pytest
-from harness import Runtime, alive, allocating_model, wait_until
+from harness import Runtime, alive, wait_until
 from test_formats import make_examples
 
 from runtime import forkserver
@@ -117,25 +117,6 @@ def test_a_fork_server_that_dies_is_reaped_at_once_and_its_workers_deaths_count_
         )
 
 
-def test_a_packed_models_heal_cut_short_by_its_new_fork_servers_death_counts_against_it_neither():
-    with Runtime(MODEL_CRASH_LIMIT="1", MODELS_PER_WORKER="4") as rt:
-        folder = rt.model_dir("a", allocating_model(0, sleep_s=2))
-        rt.load("a", folder)
-        open(os.path.join(folder, "slow"), "w").close()  # its reloads take 2 s
-        (first,) = rt.forkservers()
-        first.kill()
-        wait_until(lambda: "the worker of a died" in rt.log(), timeout=20, what="a's heal begun")
-        wait_until(lambda: [p for p in alive(rt.forkservers()) if p.pid != first.pid], timeout=20)
-        (second,) = [p for p in alive(rt.forkservers()) if p.pid != first.pid]
-        wait_until(
-            lambda: loading_in(second), timeout=20, what="a reloading in a worker of the second fork server"
-        )
-        second.kill()  # while the heal's reload of "a" runs in one of its workers
-        os.unlink(os.path.join(folder, "slow"))
-        wait_until(lambda: "healed a" in rt.log(), timeout=30, what="a healed")
-        assert "dropping a" not in rt.log() and rt.infer_fp32("a", [1.5]).outputs
-
-
 def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started_again():
     with Runtime(WORKERS_WARM="0") as rt:
         (base,) = rt.forkservers()
@@ -143,14 +124,3 @@ def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started
         wait_until(lambda: not psutil.pid_exists(base.pid), timeout=10, what="the dead fork server reaped")
         wait_until(lambda: len(alive(rt.forkservers())) == 1, timeout=20, what="another started")
         assert "the base fork server died" in rt.log()
-
-
-def loading_in(server: psutil.Process) -> bool:
-    """Whether a worker of the fork server has a pack's load under way (its title counts the model)."""
-    for worker in alive(server.children()):
-        try:
-            if "pack models=1" in " ".join(worker.cmdline()):
-                return True
-        except psutil.Error:
-            pass
-    return False
