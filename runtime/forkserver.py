@@ -78,7 +78,7 @@ class ForkServers:
         self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
         self._pids: dict[str, int] = {}
         self._identities: dict[str, tuple[int, int] | None] = {}  # lifeline.process_identity()
-        self._dead: set[tuple[int, int] | None] = set()  # the identities of those that died, reaped
+        self._dead: set[tuple[int, int]] = set()  # the identities of those that died, reaped
 
     def groups(self) -> tuple[str, ...]:
         """The base fork server, then one per framework (or family of them) in WORKER_PRELOAD."""
@@ -146,9 +146,11 @@ class ForkServers:
         """Whether the group's fork server `identity` has died (its workers die with it). If so,
         it is reaped and another started, as the next start of a worker would do: a zombie till
         then."""
+        if identity is None:  # not known: a fork server that died as it started
+            return False
         if identity in self._dead:
             return True
-        if identity is None or self._identities.get(group) != identity or not lifeline.is_exiting(identity):
+        if self._identities.get(group) != identity or not lifeline.is_exiting(identity):
             return False
         pid, _ = identity
         try:
@@ -182,7 +184,8 @@ class ForkServers:
         elif self._pids.get(group) != pid:
             if group in self._pids:
                 log.warning("the %s fork server died; multiprocessing started another", group)
-                self._dead.add(self._identities[group])
+                if (dead := self._identities[group]) is not None:
+                    self._dead.add(dead)
             self._pids[group] = pid
             self._identities[group] = lifeline.process_identity(pid)
             log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
