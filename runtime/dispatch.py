@@ -124,7 +124,9 @@ def _death_status(model: Model, worker: Worker | None, exit_code: int | None) ->
         return status.model_not_found(model.model_id)
     if worker is not None and worker.kill_cause is KillCause.MEMORY:
         return status.over_memory_limit(model.model_id, worker.kill_reason)
-    return status.worker_died(model.model_id, "call", exit_code)
+    # Its exit code is then multiprocessing's for "the fork server did not say".
+    cause = "its fork server died" if worker is not None and worker.orphaned else ""
+    return status.worker_died(model.model_id, "call", exit_code, cause)
 
 
 def spliced(frames: list, append_field: int | None) -> bytes:

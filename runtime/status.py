@@ -59,9 +59,10 @@ def load_cancelled(model_id: str) -> RpcError:
     return RpcError(grpc.StatusCode.CANCELLED, f"load of {model_id!r} was cancelled; its worker was killed")
 
 
-def worker_died(model_id: str, during: str, exit_code: int | None) -> RpcError:
-    """A worker vanished mid-operation: loads fail for good, calls may be retried elsewhere."""
-    what = describe_exit(exit_code)
+def worker_died(model_id: str, during: str, exit_code: int | None, cause: str = "") -> RpcError:
+    """A worker vanished mid-operation: loads fail for good, calls may be retried elsewhere.
+    `cause` says why where the front knows better than the exit code."""
+    what = cause or describe_exit(exit_code)
     if during == "load":
         return failed_precondition(f"the worker loading {model_id!r} died ({what})")
     return RpcError(grpc.StatusCode.UNAVAILABLE, f"the worker serving {model_id!r} died ({what})")

@@ -147,6 +147,16 @@ def test_a_worker_dying_under_a_call_is_unavailable():
     assert outcome.code is grpc.StatusCode.UNAVAILABLE and "killed by SIGKILL" in outcome.message
 
 
+def test_a_worker_that_died_with_its_fork_server_is_unavailable_and_says_so():
+    async def scenario():
+        worker = serving_worker()
+        worker.orphaned = True  # as the reaper found its fork server dead
+        return await call_answered_with(error=PeerGone(255), worker=worker)
+
+    outcome, _, _ = run(scenario())
+    assert outcome.code is grpc.StatusCode.UNAVAILABLE and "its fork server died" in outcome.message
+
+
 def test_a_worker_killed_for_memory_is_resource_exhausted():
     async def scenario():
         worker = serving_worker()
