@@ -27,6 +27,7 @@ class StandInWorker:
         self.exited = asyncio.get_running_loop().create_future()
         self.load_seconds = 0.01
         self.refuses_loads = False
+        self.refused: set[str] = set()  # ids of models whose loads it refuses
 
     alive = property(lambda self: self.state is not WorkerState.EXITED)
     serving = property(lambda self: self.state is WorkerState.SERVING)
@@ -41,6 +42,7 @@ class StandInPool:
         self.to_take = list(spares)
         self.cap_reached = False  # at WORKERS_MAX: no other worker may start
         self.takes = 0
+        self.after_load = None  # a test's step, called with (worker, model id) as a load replies
 
     def spares(self):
         return []
@@ -64,10 +66,14 @@ class StandInPool:
         worker.models.add(model_id)
         if worker.state is WorkerState.SPARE:
             worker.state = WorkerState.SERVING
-        if model_id in worker.held or worker.refuses_loads:
-            return {"ok": False, "message": f"{model_id} is loaded already"}
-        worker.held.add(model_id)
-        return {"ok": True}
+        if model_id in worker.held or worker.refuses_loads or model_id in worker.refused:
+            reply = {"ok": False, "message": f"{model_id} is loaded already, or refused"}
+        else:
+            worker.held.add(model_id)
+            reply = {"ok": True}
+        if self.after_load is not None:
+            self.after_load(worker, model_id)
+        return reply
 
     async def send_drop(self, worker, model_id):
         worker.models.discard(model_id)

@@ -147,15 +147,8 @@ def test_a_load_whose_caller_is_cancelled_as_its_reply_arrives_leaves_its_pack_a
     async def scenario():
         pack_set, pool, old, _ = pack_of_two()
         old.worker.load_seconds = 0.01  # a quick load: no move
-        loading = None
-        send_load = pool.send_load
-
-        async def replying_as_cancelled(worker, model_id, *args, **kwargs):
-            reply = await send_load(worker, model_id, *args, **kwargs)
-            loading.cancel()  # the model's unload lands in the same turn as the reply
-            return reply
-
-        pool.send_load = replying_as_cancelled
+        # The model's unload lands in the same turn as the reply.
+        pool.after_load = lambda worker, model_id: loading.cancel()
         quick = ready_model("quick")
         loading = asyncio.create_task(pack_set.load(quick, avoid=[]))
         with pytest.raises(asyncio.CancelledError):
@@ -197,15 +190,12 @@ def test_a_model_whose_fresh_pack_died_before_its_calls_switched_stays_served_an
     async def scenario():
         fresh = StandInWorker("F", WorkerState.SPARE)
         pack_set, pool, old, _ = pack_of_two(fresh)
-        send_load = pool.send_load
 
-        async def dying_after_the_moves(worker, model_id, *args, **kwargs):
-            reply = await send_load(worker, model_id, *args, **kwargs)
+        def dying_after_the_moves(worker, model_id):
             if worker is fresh and fresh.held == {"a", "b"}:
                 fresh.state = WorkerState.EXITED  # dies as the last model is in, before the switch
-            return reply
 
-        pool.send_load = dying_after_the_moves
+        pool.after_load = dying_after_the_moves
         slow = ready_model("slow")
         await pack_set.load(slow, avoid=[])
         return old, pack_set.of(fresh)
@@ -221,14 +211,7 @@ def test_a_pack_whose_other_models_could_not_all_move_out_stays_a_pack_that_take
     async def scenario():
         fresh = StandInWorker("F", WorkerState.SPARE)
         pack_set, pool, old, _ = pack_of_two(fresh)
-        send_load = pool.send_load
-
-        async def refusing_b(worker, model_id, *args, **kwargs):
-            if worker is fresh and model_id == "b":
-                return {"ok": False, "message": "its files are gone"}
-            return await send_load(worker, model_id, *args, **kwargs)
-
-        pool.send_load = refusing_b
+        fresh.refused = {"b"}  # its files are gone
         _, _, size = await pack_set.load(ready_model("slow"), avoid=[])
         return old, pack_set.of(fresh), size
 
