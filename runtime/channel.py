@@ -27,9 +27,10 @@ log = logging.getLogger("mesh.channel")
 class PeerGone(Exception):
     """The worker a request went to died before replying."""
 
-    def __init__(self, exit_code: int | None):
-        super().__init__(f"worker exited ({exit_code})")
+    def __init__(self, exit_code: int | None, cause: str = ""):
+        super().__init__(f"worker exited ({cause or exit_code})")
         self.exit_code = exit_code
+        self.cause = cause  # why it died, where the front knows better than its exit code
 
 
 class _Request:
@@ -173,10 +174,10 @@ class Channel:
         if request_id in self._pending:
             self._end(request_id, error=on_overdue())
 
-    def fail_peer(self, peer: bytes, exit_code: int | None) -> None:
+    def fail_peer(self, peer: bytes, exit_code: int | None, cause: str = "") -> None:
         """Fails every request waiting on `peer`, which has died, and frees its rings."""
         for request_id in list(self._by_peer.get(peer, ())):
-            self._end(request_id, error=PeerGone(exit_code))
+            self._end(request_id, error=PeerGone(exit_code, cause))
         self.rings.forget(peer)
 
     def _end(self, request_id: int, result: Any = None, error: BaseException | None = None) -> None:

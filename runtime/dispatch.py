@@ -70,7 +70,7 @@ class Dispatcher:
         except TimeoutError:
             raise status.deadline_exceeded(model.model_id) from None
         except PeerGone as gone:
-            raise _death_status(model, worker, gone.exit_code) from None
+            raise _death_status(model, worker, gone) from None
         return worker, reply, frames
 
     def _send(
@@ -84,7 +84,7 @@ class Dispatcher:
         """
         if not worker.alive:  # reaped while this call waited its turn: no reply would ever come
             model.replicas.release(worker)
-            raise PeerGone(worker.exited.result() if worker.exited.done() else None)
+            raise PeerGone(worker.exit_code(), worker.death_cause)
         limit_ms = self.request_limit_ms
         return self.pool.submit_call(
             worker,
@@ -119,14 +119,12 @@ class Dispatcher:
             raise error
 
 
-def _death_status(model: Model, worker: Worker | None, exit_code: int | None) -> status.RpcError:
+def _death_status(model: Model, worker: Worker | None, gone: PeerGone) -> status.RpcError:
     if model.unload_requested:  # the documented race: a request just as mesh unloads
         return status.model_not_found(model.model_id)
     if worker is not None and worker.kill_cause is KillCause.MEMORY:
         return status.over_memory_limit(model.model_id, worker.kill_reason)
-    # Its exit code is then multiprocessing's for "the fork server did not say".
-    cause = "its fork server died" if worker is not None and worker.orphaned else ""
-    return status.worker_died(model.model_id, "call", exit_code, cause)
+    return status.worker_died(model.model_id, "call", gone.exit_code, gone.cause)
 
 
 def spliced(frames: list, append_field: int | None) -> bytes:

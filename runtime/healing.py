@@ -67,9 +67,7 @@ class Healer:
         """A worker of the READY model died: heal, or drop a model that keeps crashing."""
         model.workers.remove(worker)
         model.replicas.remove(worker)
-        cause = worker.kill_reason or status.describe_exit(exit_code)
-        if worker.orphaned:  # its exit code is multiprocessing's for "the fork server did not say"
-            cause = "its fork server died"
+        cause = worker.death_cause or worker.kill_reason or status.describe_exit(exit_code)
         self.metrics.observe_restart(model.model_id, worker.death_label)
         if blamed and self._crash_limit_reached(model):
             log.error(

@@ -147,7 +147,7 @@ class WorkerPool:
         """Has a taken spare, or a serving pack, load a model; the reply header (PeerGone if it dies)."""
         packing = pack and worker.packed and worker.state is WorkerState.SERVING
         if worker.state is not WorkerState.SPARE and not packing:  # died or was killed since taken
-            raise PeerGone(worker.exited.result() if worker.exited.done() else None)
+            raise PeerGone(worker.exit_code(), worker.death_cause)
         worker.packed = pack
         worker.models.add(model_id)
         if not packing:
@@ -356,7 +356,7 @@ class WorkerPool:
         worker.change_state(WorkerState.EXITED)
         worker.exited.set_result(code)
         worker.running = frozenset(model_id for model_id, calls in worker.calls.items() if calls > 0)
-        self.channel.fail_peer(worker.identity, code)
+        self.channel.fail_peer(worker.identity, code, worker.death_cause)
         log.info(
             "%r exited (%s)",
             worker,

@@ -192,7 +192,7 @@ class Supervisor:
         except TimeoutError:
             raise status.load_timed_out(spec.model_id, timeout_ms) from None
         except PeerGone as gone:
-            raise status.worker_died(spec.model_id, "load", gone.exit_code) from None
+            raise status.worker_died(spec.model_id, "load", gone.exit_code, gone.cause) from None
         finally:
             # Replace the spares only now: on two cores a fork during the load
             # (or its measurement) slows it down.
@@ -201,8 +201,7 @@ class Supervisor:
         # ignored it (the model was loading), so the load must see it now.
         for worker, size in zip(model.workers, sizes, strict=True):
             if not worker.serving or not size:
-                exit_code = worker.exited.result() if worker.exited.done() else None
-                raise status.worker_died(spec.model_id, "load", exit_code)
+                raise status.worker_died(spec.model_id, "load", worker.exit_code(), worker.death_cause)
         model.size = sum(sizes)
         for worker in model.workers:
             model.replicas.add(worker)

@@ -77,6 +77,8 @@ class KillCause(enum.Enum):
 CRASH_LABEL = "crash"
 # The label of one that died with its fork server.
 ORPHANED_LABEL = "forkserver"
+# Its cause of death, said instead of its exit code: multiprocessing's for "the fork server did not say".
+FORKSERVER_DIED = "its fork server died"
 
 
 class IllegalTransition(RuntimeError):
@@ -159,6 +161,15 @@ class Worker:
         if self.kill_cause:
             return self.kill_cause.value
         return ORPHANED_LABEL if self.orphaned else CRASH_LABEL
+
+    @property
+    def death_cause(self) -> str:
+        """Why it died where the front knows better than its exit code; "" where it does not."""
+        return FORKSERVER_DIED if self.orphaned else ""
+
+    def exit_code(self) -> int | None:
+        """Its exit code once reaped; None before, or when it could not be read."""
+        return self.exited.result() if self.exited.done() else None
 
     def signal(self, signum: int, whole_group: bool = False) -> None:
         """Sends a signal if the process may still be there; only the pool calls this. With

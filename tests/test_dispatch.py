@@ -150,8 +150,8 @@ def test_a_worker_dying_under_a_call_is_unavailable():
 def test_a_worker_that_died_with_its_fork_server_is_unavailable_and_says_so():
     async def scenario():
         worker = serving_worker()
-        worker.orphaned = True  # as the reaper found its fork server dead
-        return await call_answered_with(error=PeerGone(255), worker=worker)
+        worker.orphaned = True  # as the reaper found its fork server dead, and failed its calls with it
+        return await call_answered_with(error=PeerGone(255, worker.death_cause), worker=worker)
 
     outcome, _, _ = run(scenario())
     assert outcome.code is grpc.StatusCode.UNAVAILABLE and "its fork server died" in outcome.message

@@ -124,3 +124,21 @@ def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started
         wait_until(lambda: not psutil.pid_exists(base.pid), timeout=10, what="the dead fork server reaped")
         wait_until(lambda: len(alive(rt.forkservers())) == 1, timeout=20, what="another started")
         assert "the base fork server died" in rt.log()
+
+
+@pytest.mark.parametrize("per_worker", ["1", "4"])
+def test_a_load_whose_fork_server_dies_fails_saying_so_and_the_model_loads_again_after(per_worker):
+    import grpc
+    from harness import expect_status
+    from test_packs import GATED_MODEL
+
+    with Runtime(MODELS_PER_WORKER=per_worker) as rt:
+        loading = rt.load_future("gated", rt.model_dir("gated", GATED_MODEL))
+        wait_until(lambda: rt.worker_for("gated") or rt.packs(), timeout=20, what="the load under way")
+        (base,) = rt.forkservers()
+        base.kill()  # its worker, loading, dies with it
+        error = expect_status(grpc.StatusCode.FAILED_PRECONDITION, loading.result, timeout=30)
+        assert "the worker loading 'gated' died (its fork server died)" in error.details()
+        assert "exit code" not in error.details()
+        rt.load("echo", rt.model_dir("echo"))  # from the fork server started again
+        assert list(rt.infer_fp32("echo", [2.0]).outputs[0].contents.fp32_contents) == [2.0]
