@@ -5,7 +5,9 @@ still run a load that was given up: a fresh spare loads its other models. A
 format's packs are compacted when the places unloads left in them would hold
 every model of the emptiest one: those models move there. A place left
 empty is base that no model's size covers (runtime/packs.py), so compacting
-keeps that below one pack's base per format, which capacity holds back.
+keeps that below one pack's base per format, which capacity holds back. A
+pack holding a model whose load ran long (Model.loads_slowly) is not the one
+emptied: that load would hold its new pack's calls for as long.
 
 Either way each model is loaded into its new pack with the size it was
 charged (model-mesh keeps the one loadModel answered) and its calls move
@@ -125,9 +127,12 @@ class Repacker:
             for p in self.packs.of_format(format_name)
             if p.open and p.worker.serving and not p.lock.locked()
         ]
-        if len(packs) < 2:
+        # A model whose load ran long would hold the calls of the pack it moved into as long: its
+        # pack is never the one emptied (others may move in beside it).
+        sources = [p for p in packs if not any(m.loads_slowly for m in p.members.values())]
+        if len(packs) < 2 or not sources:
             return False
-        emptiest = min(packs, key=lambda p: len(p.members))
+        emptiest = min(sources, key=lambda p: len(p.members))
         others = [p for p in packs if p is not emptiest]
         if not self._places_for_all(emptiest, others):
             return False

@@ -59,6 +59,7 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
     try:
         await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
         if not load.done():
+            model.loads_slowly = True
             await to_the_end(_leave_to(packs, pack, model))
         return await load
     except BaseException:

@@ -99,6 +99,7 @@ def ready_model(model_id: str):
         state=ModelState.READY,
         ready=True,
         called=True,
+        loads_slowly=False,
         packed=True,
         crashes=collections.deque(),
     )

@@ -156,3 +156,28 @@ def test_an_unload_whose_calls_run_past_the_grace_recycles_the_pack_instead_of_w
 
     pool, old_worker, fresh, other = asyncio.run(scenario())
     assert pool.killed == [old_worker] and other.workers == [fresh] and fresh.held == {"other"}
+
+
+def test_a_compaction_never_empties_a_pack_holding_a_model_whose_load_ran_long_but_may_fill_it():
+
+    async def scenario(slow_where: str):
+        pool = StandInPool()
+        pack_set = packs.Packs(Settings.from_env({"MODELS_PER_WORKER": "4"}), pool)
+        lone = pack_set.new_pack(StandInWorker("L"), "python")
+        fuller = pack_set.new_pack(StandInWorker("F"), "python")
+        lone.base_bytes = fuller.base_bytes = 1
+        alone, f1, f2 = ready_model("alone"), ready_model("f1"), ready_model("f2")
+        holding(lone, alone)
+        holding(fuller, f1, f2)
+        {"lone": alone, "fuller": f1}[slow_where].loads_slowly = True
+        await pack_set.compact_all("python")
+        return sorted(lone.members), sorted(fuller.members), list(pool.loading), pool.killed, lone, fuller
+
+    # The emptiest pack holds it: loaded beside f1 and f2, its load would hold their calls. They
+    # move in beside it instead, and it never loads again.
+    lone_members, fuller_members, loading, killed, _, fuller = asyncio.run(scenario("lone"))
+    assert lone_members == ["alone", "f1", "f2"] and fuller_members == []
+    assert loading == ["f1", "f2"] and killed == [fuller.worker]
+    # The fuller one holds it: "alone" loads quickly, and moves in beside it as usual.
+    lone_members, fuller_members, loading, killed, lone, _ = asyncio.run(scenario("fuller"))
+    assert fuller_members == ["alone", "f1", "f2"] and loading == ["alone"] and killed == [lone.worker]

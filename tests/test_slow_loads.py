@@ -234,3 +234,16 @@ def test_at_the_worker_cap_the_others_wait_for_the_load_and_no_worker_is_taken()
     pool, old, recycles, reply = asyncio.run(scenario())
     assert reply["ok"] and pool.takes == 0 and recycles == []
     assert sorted(old.members) == ["a", "b", "slow"] and old.open
+
+
+def test_a_load_that_runs_long_marks_its_model_and_a_quick_one_does_not():
+    async def scenario():
+        pack_set, _, old, _ = pack_of_two()  # no spare: nothing moves, the loads run where placed
+        slow, quick = ready_model("slow"), ready_model("quick")
+        await pack_set.load(slow, avoid=[])  # 0.3 s, past the threshold
+        old.worker.load_seconds = 0.01
+        await pack_set.load(quick, avoid=[])
+        return slow, quick
+
+    slow, quick = asyncio.run(scenario())
+    assert slow.loads_slowly and not quick.loads_slowly  # no compaction moves "slow" beside others
