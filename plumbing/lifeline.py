@@ -1,10 +1,10 @@
 """Ties a process's life to its parent's, and names a process for good.
 
 No orphans even when the front is SIGKILLed: each process asks Linux for a
-signal when its parent dies. Linux delivers it when the parent *thread* that
-forked us exits; the fork server forks from its only thread and the front
-starts the fork server from its main thread, so "thread" means "process"
-here.
+signal when its parent dies, and a fork server, told so, ends every process
+below it first. Linux delivers it when the parent *thread* that forked us
+exits; the fork server forks from its only thread, and the front starts the
+fork servers from the pool's spawner thread, which lives as long as the pool.
 """
 
 import contextlib
@@ -19,10 +19,10 @@ _PR_SET_PDEATHSIG = 1
 _PF_EXITING = 0x4  # a task's flag in /proc/PID/stat
 
 
-def die_with_parent(expected_parent: int | None) -> None:
-    """SIGKILL this process when its parent dies; exit now if it already has."""
+def die_with_parent(expected_parent: int | None, signum: int = signal.SIGKILL) -> None:
+    """`signum` (SIGKILL) to this process when its parent dies; exit now if it already has."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # The parent may have died between fork and prctl: then we were re-parented.
     if expected_parent is not None and os.getppid() != expected_parent:
@@ -57,6 +57,60 @@ def children_die_with_this_process() -> None:
     os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_the_forking_process)
 
 
+def end_everything_below_on_sigterm() -> None:
+    """For a fork server: SIGTERM (sent by the front as it stops, or by Linux as the front dies:
+    see end_everything_below_with_parent) SIGKILLs every process below this one, then exits.
+
+    The workers below die with it anyway (their parent-death signal), but what
+    a worker's model started with subprocess has no such signal (it forks in
+    C, past the hooks above), and one that left the worker's process group
+    (setsid) no group kill reaches: with the front gone, nobody else would end
+    them. So the whole tree is read first (each process's children, while
+    their parents still live to list them), then all of it is killed, then
+    each worker's process group (what its model started that the tree no
+    longer shows). A process forked from here resets the handler: a worker
+    sets its own, and until then takes SIGTERM as any process does.
+    """
+    here = os.getpid()
+
+    def end_all_and_exit(signum, frame) -> None:
+        kill_descendants(here)
+        for child in children():  # each worker leads a group of its own (workers/main.py)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child, signal.SIGKILL)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end_all_and_exit)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+def end_everything_below_with_parent() -> None:
+    """For a fork server: SIGTERM when the front dies, however it dies, which ends every process
+    below this one (end_everything_below_on_sigterm) before this one exits."""
+    end_everything_below_on_sigterm()
+    die_with_parent(expected_parent=None, signum=signal.SIGTERM)
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL to every process below `pid`, those that left its process group included: the tree
+    is read whole first, while each parent lives to list its children."""
+    for below in _descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(below, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` that /proc shows as a child of a child (and so on), parents first."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        for child in children_of(parent):
+            found.append(child)
+            parents.append(child)
+    return found
+
+
 def kill_children() -> None:
     """SIGKILL to each child of this process (what its model started), as it exits by itself.
 
@@ -72,11 +126,19 @@ def kill_children() -> None:
 def children(of_this_thread: bool = False) -> set[int]:
     """The pids of this process's children, zombies included: those any thread started, or those
     the calling thread did."""
+    return children_of(os.getpid(), threading.get_native_id() if of_this_thread else None)
+
+
+def children_of(pid: int, thread: int | None = None) -> set[int]:
+    """The pids of a process's children (or of those one of its threads started); none once it is gone."""
     found: set[int] = set()
-    threads = [threading.get_native_id()] if of_this_thread else os.listdir("/proc/self/task")
-    for thread in threads:
+    try:
+        threads = [thread] if thread is not None else os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for each in threads:
         try:
-            with open(f"/proc/self/task/{thread}/children") as listed:
+            with open(f"/proc/{pid}/task/{each}/children") as listed:
                 found.update(int(child) for child in listed.read().split())
         except OSError:
             continue  # the thread ended meanwhile

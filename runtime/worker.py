@@ -216,8 +216,11 @@ class Worker:
         models moved to. Not other workers: a kill for memory wants it back at once, and healing
         or a spare's place wait for the reap."""
         identity = self.pid_identity
-        if self.kill_cause is KillCause.RECYCLED and identity and lifeline.is_running(identity):
-            priority.schedule_process_as_idle_work(identity[0])
+        if identity and lifeline.is_running(identity):
+            if self.kill_cause is KillCause.RECYCLED:
+                priority.schedule_process_as_idle_work(identity[0])
+            # What its model started and that left its process group (setsid): no group kill reaches it.
+            lifeline.kill_descendants(identity[0])
         self.signal(signal.SIGKILL, whole_group=True)
 
     def __repr__(self) -> str:

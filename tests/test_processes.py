@@ -1,5 +1,6 @@
 """Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -365,8 +366,11 @@ def _pids_in(folder: str, *names: str) -> list[int]:
 def test_what_a_model_started_ends_with_its_worker():
     with Runtime() as runtime:
         folder = runtime.model_dir("helped", HELPERS_MODEL)
+        open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
         runtime.load("helped", folder)
-        helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid")]
+        helpers = [
+            psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid", "escaped.pid")
+        ]
         runtime.unload("helped")
         wait_until(lambda: not alive(helpers), timeout=10, what="the model's helpers to end with its worker")
         # A worker killed from outside (the OOM killer, say): the front ends what is left of its group.
@@ -404,21 +408,28 @@ def _ended(pid: int) -> bool:
         return True
 
 
-def test_a_front_told_to_stop_stops_while_a_helper_holds_its_fork_servers_pipe():
-    runtime = Runtime().start()
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("per_worker", ["1", "4"])
+def test_what_models_started_ends_with_the_front_even_what_left_its_workers_group(stop, per_worker):
+    runtime = Runtime(MODELS_PER_WORKER=per_worker).start()
     folder = runtime.model_dir("escaping", HELPERS_MODEL)
-    open(os.path.join(folder, "escape"), "w").close()
+    open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
     runtime.load("escaping", folder)
-    (escaped,) = _pids_in(folder, "escaped.pid")
+    helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid", "escaped.pid")]
     try:
-        runtime.process.send_signal(signal.SIGTERM)
-        assert runtime.process.wait(forkserver.STOP_SECONDS + 20) == 0
-        assert "did not stop within" in runtime.log()
+        started = time.monotonic()
+        runtime.process.send_signal(stop)
+        runtime.process.wait(forkserver.STOP_SECONDS + 20)
+        # The fork servers end what is below them as they go, the helper holding their pipe too.
+        wait_until(lambda: not alive(helpers), timeout=10, what="every helper to end with the front")
+        assert (
+            time.monotonic() - started < forkserver.STOP_SECONDS
+            and "did not stop within" not in runtime.log()
+        )
     finally:
-        try:
-            os.kill(escaped, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for helper in helpers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                helper.kill()
         runtime.stop()
 
 

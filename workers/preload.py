@@ -24,7 +24,8 @@ from workers.formats import warming
 
 
 def _preload() -> None:
-    lifeline.die_with_parent(expected_parent=None)
+    # Its workers die with it; what their models started is ended by it as it goes.
+    lifeline.end_everything_below_with_parent()
     heap.keep_big_buffers()  # before a framework starts a thread; every worker inherits it
     group = os.environ.get(protocol.FORKSERVER_GROUP_ENV, "base")
     titles.set_title(f"forkserver {group}", os.environ.get(titles.RUNTIME_DIR_ENV, ""))
