@@ -6,8 +6,8 @@ format's packs are compacted when the places unloads left in them would hold
 every model of the emptiest one: those models move there. A place left
 empty is base that no model's size covers (runtime/packs.py), so compacting
 keeps that below one pack's base per format, which capacity holds back. A
-pack holding a model whose load ran long (Model.loads_slowly) is not the one
-emptied: that load would hold its new pack's calls for as long.
+pack holding no model whose load ran long (Model.loads_slowly) is emptied
+first: such a load would hold its new pack's calls as long.
 
 Either way each model is loaded into its new pack with the size it was
 charged (model-mesh keeps the one loadModel answered) and its calls move
@@ -59,8 +59,7 @@ DRAIN_SECONDS = 10.0
 LOADS_AHEAD_ON_MAIN_THREAD = 2
 # The states of a model whose place in a pack moves with the pack's other models.
 _MOVING_STATES = (ModelState.READY, ModelState.LOADING)
-# How often the drain looks: the unload that set the recycle off waits for it, so it should end
-# not much later than the last call it waits for.
+# How often the drain looks: the unload that set the recycle off waits for its last call.
 DRAIN_CHECK_SECONDS = 0.001
 
 # What each model moving is charged in the pack it leaves: (its size, the part that is growth, what
@@ -118,8 +117,8 @@ class Repacker:
             return await self._into_fresh_pack(models, pack, charges, otherwise)
 
     async def compact(self, format_name: str) -> bool:
-        """Moves the models of the format's emptiest pack into the others once their free places
-        hold them all, and ends it; whether it did."""
+        """Moves the models of one of the format's emptiest packs into the others once their free
+        places hold them all, and ends it; whether it did."""
         if format_name in self._compacting:
             return False
         packs = [
@@ -127,15 +126,10 @@ class Repacker:
             for p in self.packs.of_format(format_name)
             if p.open and p.worker.serving and not p.lock.locked()
         ]
-        # A model whose load ran long would hold the calls of the pack it moved into as long: its
-        # pack is never the one emptied (others may move in beside it).
-        sources = [p for p in packs if not any(m.loads_slowly for m in p.members.values())]
-        if len(packs) < 2 or not sources:
+        emptiest = self._to_empty(packs)
+        if emptiest is None:
             return False
-        emptiest = min(sources, key=lambda p: len(p.members))
         others = [p for p in packs if p is not emptiest]
-        if not self._places_for_all(emptiest, others):
-            return False
         self._compacting.add(format_name)
         try:
             async with emptiest.lock:
@@ -144,6 +138,18 @@ class Repacker:
                 return False
         finally:
             self._compacting.discard(format_name)
+
+    def _to_empty(self, packs: list[Pack]) -> Pack | None:
+        """The pack to empty into the others (None: none fits): the emptiest holding no model whose
+        load ran long (it would hold its new pack's calls as long), else the emptiest of all."""
+        if len(packs) < 2:
+            return None
+        by_size = sorted(packs, key=lambda p: len(p.members))
+        quick = [p for p in by_size if not any(m.loads_slowly for m in p.members.values())]
+        for candidate in (*quick[:1], *by_size[:1]):
+            if self._places_for_all(candidate, [p for p in packs if p is not candidate]):
+                return candidate
+        return None
 
     def _places_for_all(self, emptiest: Pack, others: list[Pack]) -> bool:
         """Whether `others` have a free place for every model of `emptiest`, none of them beside a

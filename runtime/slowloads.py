@@ -16,8 +16,10 @@ base, as a worker of its own would be. Once its load is in (or failed), the
 pack drops its copies of the models that moved out, after the calls sent to
 them there are answered, so that what it holds beyond its model is charged
 to no one only while the load runs. A load of another model placed in the pack before the move stops
-waiting for its lock then, and goes elsewhere. A model that cannot move
-stays, served and charged where it was, and the pack stays an ordinary pack.
+waiting for its lock then, and goes elsewhere. A model that cannot move, or
+whose own load ran long (the others' calls would switch only once it loaded
+again), stays, served and charged where it was, and the pack stays an
+ordinary pack.
 At the worker cap (the pool's at_cap()) no move is made: the models wait for
 the load, and the last worker is kept for loads that need a pack.
 
@@ -75,7 +77,10 @@ async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
     """Holding the pack's lock while `loading` loads there: the pack's other models move to a fresh
     pack, and it is left to `loading`. Where they cannot move, it stays as it was."""
     started = time.monotonic()
-    movers = [m for m in pack.members.values() if m is not loading and moves_with(pack, m)]
+    # One whose own load ran long stays: the others' calls would switch only once it loaded again.
+    movers = [
+        m for m in pack.members.values() if m is not loading and moves_with(pack, m) and not m.loads_slowly
+    ]
     if not movers or not pack.open:
         return
     if packs.pool.at_cap():  # the last worker it could have is better kept for loads that need one
@@ -101,7 +106,7 @@ async def _leave_to(packs: Packs, pack: Pack, loading: Model) -> None:
     packs.pool.replenish()  # the spare it took: no reap of this pack refills it
     if moved and packs.on_recycle is not None:
         packs.on_recycle(time.monotonic() - started, len(moved))
-    if any(m.model_id in pack.charged for m in movers):  # not left to the load alone: a pack as before
+    if pack.charged:  # some model stayed, or could not move: not left to the load alone, a pack as before
         pack.open = pack.worker.serving and not pack.abandoned
         return
     pack.left_to = loading

@@ -158,7 +158,7 @@ def test_an_unload_whose_calls_run_past_the_grace_recycles_the_pack_instead_of_w
     assert pool.killed == [old_worker] and other.workers == [fresh] and fresh.held == {"other"}
 
 
-def test_a_compaction_never_empties_a_pack_holding_a_model_whose_load_ran_long_but_may_fill_it():
+def test_a_compaction_empties_a_pack_holding_a_model_whose_load_ran_long_only_if_no_other_fits():
 
     async def scenario(slow_where: str):
         pool = StandInPool()
@@ -169,7 +169,8 @@ def test_a_compaction_never_empties_a_pack_holding_a_model_whose_load_ran_long_b
         alone, f1, f2 = ready_model("alone"), ready_model("f1"), ready_model("f2")
         holding(lone, alone)
         holding(fuller, f1, f2)
-        {"lone": alone, "fuller": f1}[slow_where].loads_slowly = True
+        for where in slow_where.split("+"):
+            {"lone": alone, "fuller": f1}[where].loads_slowly = True
         await pack_set.compact_all("python")
         return sorted(lone.members), sorted(fuller.members), list(pool.loading), pool.killed, lone, fuller
 
@@ -180,4 +181,8 @@ def test_a_compaction_never_empties_a_pack_holding_a_model_whose_load_ran_long_b
     assert loading == ["f1", "f2"] and killed == [fuller.worker]
     # The fuller one holds it: "alone" loads quickly, and moves in beside it as usual.
     lone_members, fuller_members, loading, killed, lone, _ = asyncio.run(scenario("fuller"))
+    assert fuller_members == ["alone", "f1", "f2"] and loading == ["alone"] and killed == [lone.worker]
+    # Both do: the emptiest moves all the same, or packs of a model or two would pile up, their bases
+    # covered by no size.
+    lone_members, fuller_members, loading, killed, lone, _ = asyncio.run(scenario("lone+fuller"))
     assert fuller_members == ["alone", "f1", "f2"] and loading == ["alone"] and killed == [lone.worker]

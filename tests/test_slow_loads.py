@@ -247,3 +247,19 @@ def test_a_load_that_runs_long_marks_its_model_and_a_quick_one_does_not():
 
     slow, quick = asyncio.run(scenario())
     assert slow.loads_slowly and not quick.loads_slowly  # no compaction moves "slow" beside others
+
+
+def test_a_model_whose_own_load_ran_long_stays_behind_and_the_pack_takes_models_again():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        pack_set, pool, old, _ = pack_of_two(fresh)
+        a, b = old.members["a"], old.members["b"]
+        a.loads_slowly = True  # loaded again, it would keep b's calls from switching until it was in
+        _, reply, _ = await pack_set.load(ready_model("slow"), avoid=[])
+        return pool, old, fresh, a, b, reply
+
+    pool, old, fresh, a, b, reply = asyncio.run(scenario())
+    assert reply["ok"] and b.workers == [fresh] and fresh.held == {"b"}  # b moved
+    assert a.workers == [old.worker] and pool.loading.count("a") == 0  # a stayed, never reloaded
+    # Not left to the slow load: a is charged there still, and the pack takes models as before.
+    assert old.left_to is None and old.open and sorted(old.charged) == ["a", "slow"]
