@@ -27,6 +27,8 @@ from workers import protocol
 log = logging.getLogger("mesh.dispatch")
 
 REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
+# How long a call that found its worker gone waits for the reap, which tells how it died.
+REAP_WAIT_SECONDS = 0.5
 
 
 class Dispatcher:
@@ -70,6 +72,10 @@ class Dispatcher:
         except TimeoutError:
             raise status.deadline_exceeded(model.model_id) from None
         except PeerGone as gone:
+            if worker is not None and gone.exit_code is None and not gone.cause:
+                # Found gone before it was reaped (its socket unreachable): its reap says how it died.
+                await worker.reaped_within(REAP_WAIT_SECONDS)
+                gone = PeerGone(worker.exit_code(), worker.death_cause)
             raise _death_status(model, worker, gone) from None
         return worker, reply, frames
 

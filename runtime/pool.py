@@ -360,7 +360,7 @@ class WorkerPool:
         log.info(
             "%r exited (%s)",
             worker,
-            status.describe_exit(code),
+            worker.death_cause or status.describe_exit(code),
             extra={"model_id": worker.model_id} if worker.model_id else None,
         )
         self._on_worker_exit(worker, code)

@@ -167,6 +167,11 @@ class Worker:
         """Why it died where the front knows better than its exit code; "" where it does not."""
         return FORKSERVER_DIED if self.orphaned else ""
 
+    async def reaped_within(self, seconds: float) -> None:
+        """Returns once it is reaped (its exit code and cause known), or `seconds` passed."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.exited), seconds)
+
     def exit_code(self) -> int | None:
         """Its exit code once reaped; None before, or when it could not be read."""
         return self.exited.result() if self.exited.done() else None

@@ -157,6 +157,23 @@ def test_a_worker_that_died_with_its_fork_server_is_unavailable_and_says_so():
     assert outcome.code is grpc.StatusCode.UNAVAILABLE and "its fork server died" in outcome.message
 
 
+def test_a_call_that_found_its_worker_gone_before_its_reap_says_how_it_died_once_reaped():
+    async def scenario():
+        worker = serving_worker()
+
+        def reaped_as_its_fork_server_died():
+            worker.orphaned = True
+            worker.change_state(WorkerState.EXITED)
+            worker.exited.set_result(255)
+
+        asyncio.get_running_loop().call_later(0.05, reaped_as_its_fork_server_died)
+        return await call_answered_with(error=PeerGone(None), worker=worker)  # its socket unreachable
+
+    outcome, _, _ = run(scenario())
+    assert outcome.code is grpc.StatusCode.UNAVAILABLE
+    assert outcome.message == "the worker serving 'm' died (its fork server died)"
+
+
 def test_a_worker_killed_for_memory_is_resource_exhausted():
     async def scenario():
         worker = serving_worker()
