@@ -58,8 +58,8 @@ def children_die_with_this_process() -> None:
 
 
 def end_everything_below_on_sigterm() -> None:
-    """For a fork server: SIGTERM (sent by the front as it stops, or by Linux as the front dies:
-    see end_everything_below_with_parent) SIGKILLs every process below this one, then exits.
+    """For a fork server: SIGTERM (sent by Linux as the front dies: see
+    end_everything_below_with_parent) SIGKILLs every process below this one, then exits.
 
     The workers below die with it anyway (their parent-death signal), but what
     a worker's model started with subprocess has no such signal (it forks in
@@ -74,6 +74,9 @@ def end_everything_below_on_sigterm() -> None:
     here = os.getpid()
 
     def end_all_and_exit(signum, frame) -> None:
+        # Once: a second SIGTERM (the parent-death signal may come more than once) would start
+        # it over on a tree this run has half killed, and exit before this run is done.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         kill_descendants(here)
         for child in children():  # each worker leads a group of its own (workers/main.py)
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -112,15 +115,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def kill_children() -> None:
-    """SIGKILL to each child of this process (what its model started), as it exits by itself.
+    """SIGKILL to every process below this one (what its model started, and what that started in
+    turn), as it exits by itself.
 
     Its children cannot be reaped, so their pids cannot be reused, until it
     exits: the pids read here name them. A child forked by os.fork would die
-    with it anyway (above); one started by subprocess would not.
+    with it anyway (above); one started by subprocess would not, nor one that
+    left its process group (setsid) below a child of it.
     """
-    for child in children():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
+    kill_descendants(os.getpid())
 
 
 def children(of_this_thread: bool = False) -> set[int]:
@@ -146,12 +149,14 @@ def children_of(pid: int, thread: int | None = None) -> set[int]:
 
 
 def end_children(identities: list[tuple[int, int]], wait_s: float = 1.0) -> None:
-    """SIGKILLs each child named by process_identity() that still runs, and waits up to `wait_s`
-    until they have exited (their memory back). Not reaped: the code that started them reaps
-    them (multiprocessing and subprocess do, at their next start), and a reap of ours could
-    leave that code waiting on a pid given since to another process."""
+    """SIGKILLs each child named by process_identity() that still runs, and every process below
+    it, and waits up to `wait_s` until the children have exited (their memory back). Not reaped:
+    the code that started them reaps them (multiprocessing and subprocess do, at their next
+    start), and a reap of ours could leave that code waiting on a pid given since to another
+    process."""
     ending = [identity for identity in identities if is_running(identity)]
     for pid, _ in ending:
+        kill_descendants(pid)  # read while it lives to list them
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s

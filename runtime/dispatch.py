@@ -60,21 +60,23 @@ class Dispatcher:
     ) -> tuple[Worker, dict, list]:
         """Picks a replica, sends the call and awaits its reply; the deadline covers time in line too."""
         worker = None
+        deadline = None if timeout is None else time.time() + timeout
         try:
             if timeout is None:  # no deadline, no timer
                 worker = model.replicas.try_acquire() or await model.replicas.acquire()
                 reply, frames = await self._send(model, worker, method, request, None)
             else:
-                deadline = time.time() + timeout
                 async with asyncio.timeout(timeout):
                     worker = await model.replicas.acquire()
                     reply, frames = await self._send(model, worker, method, request, deadline)
         except TimeoutError:
             raise status.deadline_exceeded(model.model_id) from None
         except PeerGone as gone:
-            if worker is not None and gone.exit_code is None and not gone.cause:
-                # Found gone before it was reaped (its socket unreachable): its reap says how it died.
-                await worker.reaped_within(REAP_WAIT_SECONDS)
+            if worker is not None and gone.exit_code is None and not gone.cause and not worker.kill_cause:
+                # Found gone before it was reaped (its socket unreachable), not by our kill: its reap
+                # says how it died. Not past the call's deadline: mesh may try another instance.
+                left = REAP_WAIT_SECONDS if deadline is None else deadline - time.time()
+                await worker.reaped_within(min(REAP_WAIT_SECONDS, left))
                 gone = PeerGone(worker.exit_code(), worker.death_cause)
             raise _death_status(model, worker, gone) from None
         return worker, reply, frames

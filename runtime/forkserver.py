@@ -168,19 +168,11 @@ class ForkServers:
     def stop(self) -> None:
         """Stops and reaps every fork server and the resource tracker.
 
-        A fork server is sent SIGTERM first: it ends whatever is still below it
-        (a process a worker's model started and that left the worker's process
-        group, which may also hold the fork server's pipe) and exits
-        (plumbing/lifeline.py end_everything_below_on_sigterm), as it does when
-        this process dies. The resource tracker is never recorded for a later
-        front's purge: it cannot carry our title, so a purge could not tell it
-        from a stranger's process, and it exits by itself once its pipe's last
-        end closes.
+        All would also exit on their own once this process is gone. The
+        resource tracker is never recorded for a later front's purge: it cannot
+        carry our title, so a purge could not tell it from a stranger's process,
+        and it exits by itself once its pipe's last end closes.
         """
-        for identity in self._identities.values():
-            if identity is not None and lifeline.is_running(identity):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(identity[0], signal.SIGTERM)
         tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
         for helper in [*self._servers.values(), tracker]:
             _stop_within(helper, STOP_SECONDS)
@@ -202,9 +194,9 @@ class ForkServers:
 
 def _stop_within(helper, seconds: float) -> None:
     """multiprocessing's own stop of a fork server or the resource tracker, which closes the
-    helper's pipe and waits for it with no limit; SIGKILL after `seconds`. A helper exits when
-    its pipe closes, unless another process still holds the pipe (a fork server, told to stop,
-    exits all the same)."""
+    helper's pipe and waits for it with no limit; SIGKILL after `seconds`. A fork server exits
+    when its pipe closes, unless another process still holds the pipe: a process its worker's
+    model started, which inherited it and escaped dying with the worker."""
     stop_helper = getattr(helper, "_stop", None)
     if stop_helper is None:
         return

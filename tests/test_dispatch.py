@@ -1,12 +1,13 @@
 """The dispatcher and the state machines, in-process against a fake pool: no processes, milliseconds."""
 
 import asyncio
+import time
 import types
 
 import grpc
 import pytest
 
-from runtime import status
+from runtime import dispatch, status
 from runtime.budget import ByteBudget
 from runtime.channel import PeerGone
 from runtime.dispatch import Dispatcher, spliced
@@ -172,6 +173,22 @@ def test_a_call_that_found_its_worker_gone_before_its_reap_says_how_it_died_once
     outcome, _, _ = run(scenario())
     assert outcome.code is grpc.StatusCode.UNAVAILABLE
     assert outcome.message == "the worker serving 'm' died (its fork server died)"
+
+
+@pytest.mark.parametrize("killed_by_us", [False, True])
+def test_a_call_waits_for_its_gone_workers_reap_only_within_its_deadline_and_not_after_our_kill(killed_by_us):
+    async def scenario():
+        worker = serving_worker()  # never reaped here
+        if killed_by_us:
+            worker.kill_cause = KillCause.OPERATOR
+        started = time.monotonic()
+        outcome, _, _ = await call_answered_with(
+            error=PeerGone(None), worker=worker, timeout=None if killed_by_us else 0.05
+        )
+        return outcome, time.monotonic() - started
+
+    outcome, seconds = run(scenario())
+    assert outcome.code is grpc.StatusCode.UNAVAILABLE and seconds < dispatch.REAP_WAIT_SECONDS / 2
 
 
 def test_a_worker_killed_for_memory_is_resource_exhausted():

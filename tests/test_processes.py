@@ -324,7 +324,7 @@ def test_only_a_recycled_pack_is_made_idle_work_before_its_sigkill(cause):
 
 # A model whose load starts helper processes: one by multiprocessing's fork, one by subprocess, and
 # when told to, one that leaves its worker's process group and stops dying with its parent, as a
-# daemon would. Each writes its pid into the folder.
+# daemon would, and one that leaves it below a shell the model started. Each pid is in the folder.
 HELPERS_MODEL = """
     import ctypes, multiprocessing, os, subprocess, time
 
@@ -347,12 +347,19 @@ HELPERS_MODEL = """
                     time.sleep(600)
                     os._exit(0)
                 note(path, "escaped.pid", pid)
+                below = os.path.join(path, "grandchild.pid")
+                self.shell = subprocess.Popen(["sh", "-c", f"setsid sleep 600 & echo $! > {below}; wait"])
+                while not os.path.exists(below) or not open(below).read().strip():
+                    time.sleep(0.01)
             if os.path.exists(os.path.join(path, "fail")):
                 raise RuntimeError("failed, its helpers started")
 
         def predict(self, inputs):
             return dict(inputs)
 """
+
+
+ALL_HELPERS = ("forked.pid", "executed.pid", "escaped.pid", "grandchild.pid")
 
 
 def _pids_in(folder: str, *names: str) -> list[int]:
@@ -368,9 +375,7 @@ def test_what_a_model_started_ends_with_its_worker():
         folder = runtime.model_dir("helped", HELPERS_MODEL)
         open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
         runtime.load("helped", folder)
-        helpers = [
-            psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid", "escaped.pid")
-        ]
+        helpers = [psutil.Process(pid) for pid in _pids_in(folder, *ALL_HELPERS)]
         runtime.unload("helped")
         wait_until(lambda: not alive(helpers), timeout=10, what="the model's helpers to end with its worker")
         # A worker killed from outside (the OOM killer, say): the front ends what is left of its group.
@@ -385,8 +390,9 @@ def test_what_a_packed_model_started_loading_ends_with_its_unload_and_its_pack_s
     with Runtime(MODELS_PER_WORKER="4") as runtime:
         runtime.load("neighbour", runtime.model_dir("neighbour"))
         folder = runtime.model_dir("helped", HELPERS_MODEL)
+        open(os.path.join(folder, "escape"), "w").close()
         runtime.load("helped", folder)
-        helpers = _pids_in(folder, "forked.pid", "executed.pid")
+        helpers = _pids_in(folder, *ALL_HELPERS)
         pack = psutil.Process(psutil.Process(helpers[0]).ppid())
         assert psutil.Process(helpers[1]).ppid() == pack.pid
         assert "mesh-runtime pack models=2" in " ".join(pack.cmdline())
@@ -415,7 +421,7 @@ def test_what_models_started_ends_with_the_front_even_what_left_its_workers_grou
     folder = runtime.model_dir("escaping", HELPERS_MODEL)
     open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
     runtime.load("escaping", folder)
-    helpers = [psutil.Process(pid) for pid in _pids_in(folder, "forked.pid", "executed.pid", "escaped.pid")]
+    helpers = [psutil.Process(pid) for pid in _pids_in(folder, *ALL_HELPERS)]
     try:
         started = time.monotonic()
         runtime.process.send_signal(stop)
