@@ -442,6 +442,10 @@ def test_a_load_that_runs_long_moves_the_packs_other_models_out_and_they_answer_
         # The old pack dropped its copy of echo before loadModel returned, and charges gated all its base.
         assert "models=1" in " ".join(psutil.Process(old).cmdline())
         assert pack_of(rt, "gated") == old and answers(rt, "gated") and gated_size > 2 * echo_size
+        shown = inspected(rt)
+        slow = {m["model"]: m["loads_slowly"] for m in shown["models"]}
+        assert slow["gated"] and not slow["echo"]
+        assert "gated" in cli.table(shown["workers"]).split("(its load ran long)")[0].splitlines()[-1]
         rt.load("next", rt.model_dir("next"))
         assert pack_of(rt, "next") == pack_of(rt, "echo")  # the old pack takes no other model
         rt.unload("gated")

@@ -117,7 +117,8 @@ def table(rows: list[dict]) -> str:
         cells = zip(_cells(row), COLUMNS, strict=True)
         lines.append(" ".join(cell.ljust(width) for cell, (_, width) in cells).rstrip())
         for member in row.get("models", []):  # a pack's models, under it
-            lines.append(f"{'':{COLUMNS[0][1]}}   - {member['model']} {_mib(member['bytes'])}")
+            slow = " (its load ran long)" if member.get("loads_slowly") else ""
+            lines.append(f"{'':{COLUMNS[0][1]}}   - {member['model']} {_mib(member['bytes'])}{slow}")
     return "\n".join(lines)
 
 

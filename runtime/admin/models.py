@@ -3,7 +3,9 @@
 Each entry: model id, state (loading, ready, unloading), format, path, ready
 replicas and replicas wanted, worker pids, size in bytes as last measured,
 calls waiting in its line, crashes within MODEL_CRASH_WINDOW_MS, whether it is
-healing, and `degraded` (ready but short of replicas).
+healing, `degraded` (ready but short of replicas), and `loads_slowly` (a load of it
+into a pack ran past 0.5 s: it is not loaded again beside serving models where
+that can be helped, runtime/slowloads.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
                 "recent_crashes": len(model.crashes),
                 "healing": healing,
                 "degraded": model.state.value == "ready" and (ready < wanted or healing),
+                "loads_slowly": model.loads_slowly,
             }
         )
     return entries

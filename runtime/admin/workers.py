@@ -1,7 +1,8 @@
 """workers: one row per worker process.
 
 Each row: pid, role (spare, model, or pack: a worker holding several small
-models, each listed under `models` with the bytes it is charged), model id, state (starting, spare,
+models, each listed under `models` with the bytes it is charged and whether its
+load ran long, as the `models` command says), model id, state (starting, spare,
 loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS and RSS in bytes, CPU % since
 the last `workers` call, calls in flight, calls served, calls failed, the
 last error, and the big payload frames that crossed its shared-memory rings
@@ -41,6 +42,11 @@ def _figures(pid: int) -> tuple[int, int, float]:
     return memory.uss(pid), process.memory_info().rss, process.cpu_percent(None)
 
 
+def _member(pack, model_id: str, size: int) -> dict:
+    model = pack.members.get(model_id)
+    return {"model": model_id, "bytes": size, "loads_slowly": model is not None and model.loads_slowly}
+
+
 async def run(supervisor, args: list[str]) -> list[dict]:
     workers = [w for w in supervisor.pool.workers() if w.pid is not None]
     figures = await asyncio.to_thread(_measure, [w.pid for w in workers])
@@ -55,7 +61,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
                 "pid": worker.pid,
                 "role": "pack" if worker.packed else "model" if worker.model_id else "spare",
                 "model": f"{len(members)} models" if worker.packed else worker.model_id or "",
-                "models": [{"model": model_id, "bytes": size} for model_id, size in members],
+                "models": [_member(pack, model_id, size) for model_id, size in members],
                 "state": worker.state.value,
                 "uptime_s": round(now - worker.started, 1),
                 "uss_bytes": uss,
