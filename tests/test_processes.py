@@ -406,6 +406,40 @@ def test_what_a_packed_model_started_loading_ends_with_its_unload_and_its_pack_s
         assert pack.is_running() and runtime.infer_fp32("neighbour", [1.0]).outputs
 
 
+# A model whose load starts a helper with multiprocessing's forkserver context: the first such load in
+# a pack starts that fork server, and every later model's helper is its child.
+FORKSERVER_HELPER_MODEL = """
+    import multiprocessing, os, time
+
+    class Model:
+        def __init__(self, path):
+            context = multiprocessing.get_context("forkserver")
+            self.helper = context.Process(target=time.sleep, args=(600,), daemon=True)
+            self.helper.start()
+            with open(os.path.join(path, "helper.pid"), "w") as f:
+                f.write(str(self.helper.pid))
+
+        def predict(self, inputs):
+            if not self.helper.is_alive():
+                raise RuntimeError("my helper is gone")
+            return dict(inputs)
+"""
+
+
+def test_unloading_the_packed_model_that_started_multiprocessings_fork_server_spares_the_others_helpers():
+    with Runtime(MODELS_PER_WORKER="4") as runtime:
+        runtime.load("first", runtime.model_dir("first", FORKSERVER_HELPER_MODEL))
+        folder = runtime.model_dir("second", FORKSERVER_HELPER_MODEL)
+        runtime.load("second", folder)
+        (helper,) = _pids_in(folder, "helper.pid")
+        try:
+            runtime.unload("first")  # the fork server is the pack's, not its: it stays
+            assert not _ended(helper) and runtime.infer_fp32("second", [1.0]).outputs
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
 def _ended(pid: int) -> bool:
     """Gone, or a zombie until the model's own objects (multiprocessing's, subprocess's) reap it."""
     try:

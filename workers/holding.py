@@ -39,6 +39,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import logging
+import sys
 import time
 from typing import Any
 
@@ -185,8 +186,24 @@ def _noting_helpers(format_name: str, path: str) -> tuple[Any, list[tuple[int, i
 
 
 def _started_since(before: set[int]) -> list[tuple[int, int]]:
-    started = (lifeline.process_identity(pid) for pid in lifeline.children(of_this_thread=True) - before)
+    new = lifeline.children(of_this_thread=True) - before - _multiprocessing_servers()
+    started = (lifeline.process_identity(pid) for pid in new)
     return [identity for identity in started if identity is not None]
+
+
+def _multiprocessing_servers() -> set[int]:
+    """multiprocessing's fork server and resource tracker, if a load of this pack started them: the
+    pack's every model uses them once they run (the processes a later model starts that way are
+    the fork server's children), so they are no one model's helpers, and end with the pack."""
+    servers = set()
+    for module, holder, field in (
+        ("multiprocessing.forkserver", "_forkserver", "_forkserver_pid"),
+        ("multiprocessing.resource_tracker", "_resource_tracker", "_pid"),
+    ):
+        pid = getattr(getattr(sys.modules.get(module), holder, None), field, None)
+        if isinstance(pid, int):
+            servers.add(pid)
+    return servers
 
 
 def _become_idle_work() -> None:
