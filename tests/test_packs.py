@@ -445,7 +445,8 @@ def test_a_load_that_runs_long_moves_the_packs_other_models_out_and_they_answer_
         shown = inspected(rt)
         slow = {m["model"]: m["loads_slowly"] for m in shown["models"]}
         assert slow["gated"] and not slow["echo"]
-        assert "gated" in cli.table(shown["workers"]).split("(its load ran long)")[0].splitlines()[-1]
+        (gated_line,) = [line for line in cli.table(shown["workers"]).splitlines() if "- gated " in line]
+        assert gated_line.endswith("(its load ran long)")
         rt.load("next", rt.model_dir("next"))
         assert pack_of(rt, "next") == pack_of(rt, "echo")  # the old pack takes no other model
         rt.unload("gated")
