@@ -44,8 +44,8 @@ class Model:
         self.size = 0
         self.packed = False  # it lives in packs (runtime/packs.py), not in workers of its own
         self.called = False  # a call has been sent to one of its workers
-        # A load of it into a pack ran past runtime/slowloads.py's SLOW_LOAD_SECONDS: where it can
-        # be helped, it is not loaded again beside serving models, whose calls would wait as long.
+        # Its latest load into a pack ran past runtime/slowloads.py's SLOW_LOAD_SECONDS: where it
+        # can be helped, it is not loaded again beside serving models, whose calls would wait as long.
         self.loads_slowly = False
         self.load_started = time.monotonic()
         self.load_task: asyncio.Task[int] | None = None  # resolves to the measured size

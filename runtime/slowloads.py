@@ -60,8 +60,8 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
     load = asyncio.ensure_future(packs.send_load(pack, model))
     try:
         await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
+        model.loads_slowly = not load.done()  # as its latest load went: a heal's may say otherwise
         if not load.done():
-            model.loads_slowly = True
             await to_the_end(_leave_to(packs, pack, model))
         return await load
     except BaseException:
