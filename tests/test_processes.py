@@ -459,8 +459,10 @@ def test_what_models_started_ends_with_the_front_even_what_left_its_workers_grou
     try:
         started = time.monotonic()
         runtime.process.send_signal(stop)
-        runtime.process.wait(forkserver.STOP_SECONDS + 20)
-        # The fork servers end what is below them as they go, the helper holding their pipe too.
+        code = runtime.process.wait(forkserver.STOP_SECONDS + 20)
+        assert code == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
+        # Killed with their workers as the front stops, or by the fork servers as it dies; the helper
+        # that holds a fork server's pipe too, so that its stop is not held.
         wait_until(lambda: not alive(helpers), timeout=10, what="every helper to end with the front")
         assert (
             time.monotonic() - started < forkserver.STOP_SECONDS
