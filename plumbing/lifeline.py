@@ -57,9 +57,9 @@ def children_die_with_this_process() -> None:
     os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_the_forking_process)
 
 
-def end_everything_below_on_sigterm() -> None:
-    """For a fork server: SIGTERM (sent by Linux as the front dies: see
-    end_everything_below_with_parent) SIGKILLs every process below this one, then exits.
+def end_everything_below_with_parent() -> None:
+    """For a fork server: SIGTERM when its parent (the front) dies, however it dies, on which it
+    SIGKILLs every process below it, then exits.
 
     The workers below die with it anyway (their parent-death signal), but what
     a worker's model started with subprocess has no such signal (it forks in
@@ -85,12 +85,6 @@ def end_everything_below_on_sigterm() -> None:
 
     signal.signal(signal.SIGTERM, end_all_and_exit)
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-
-
-def end_everything_below_with_parent() -> None:
-    """For a fork server: SIGTERM when the front dies, however it dies, which ends every process
-    below this one (end_everything_below_on_sigterm) before this one exits."""
-    end_everything_below_on_sigterm()
     die_with_parent(expected_parent=None, signum=signal.SIGTERM)
 
 
