@@ -91,12 +91,12 @@ def end_everything_below_with_parent() -> None:
 def kill_descendants(pid: int) -> None:
     """SIGKILL to every process below `pid`, those that left its process group included: the tree
     is read whole first, while each parent lives to list its children."""
-    for below in _descendants(pid):
+    for below in descendants(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(below, signal.SIGKILL)
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every process below `pid` that /proc shows as a child of a child (and so on), parents first."""
     found: list[int] = []
     parents = [pid]

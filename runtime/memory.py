@@ -26,6 +26,8 @@ import os
 
 import psutil
 
+from plumbing import lifeline
+
 _PRIVATE_FIELDS = (b"Private_Clean:", b"Private_Dirty:", b"Private_Hugetlb:")
 
 # The kernel's share beyond page tables, per thread, per mapping and per process.
@@ -122,17 +124,81 @@ def anonymous(pid: int | None) -> int:
 
 
 def cost_or_zero(pid: int | None) -> int:
-    """cost(), or 0 for a process that is gone, not ours or not started: none of our memory is in it."""
+    """What the pod gets back when worker `pid` ends, with every process below it (what its
+    models started, which end with it): tree_cost(), or 0 for a process that is gone, not ours
+    or not started: none of our memory is in it."""
     if pid is None:
         return 0
     try:
-        return cost(pid)
+        return tree_cost(pid)
     except psutil.Error:
         return 0
 
 
+def tree_cost(pid: int) -> int:
+    """cost() of process `pid` and of every process below it; by their proportional shares where
+    a process below it shares anonymous pages (it was forked, not executed).
+
+    A child the model forked shares the worker's pages until one of them writes
+    to them: those pages are in neither one's unique pages, so a sum of cost()
+    would miss them. Summed over the tree, PSS counts each page the tree alone
+    maps once; it also counts the tree's share of the pages it shares with the
+    fork server, which that server's own count already holds: an over-count,
+    never an under-count. An executed program (subprocess) shares no anonymous
+    page, so where only such run below, cost() of each counts them exactly.
+    Raises psutil.Error if `pid` is gone or not ours; a process below it that
+    has ended is skipped.
+    """
+    below = []
+    for each in lifeline.descendants(pid):
+        try:
+            below.append((_rollup_fields(each), kernel_share(each)))
+        except psutil.Error:
+            pass  # it ended meanwhile, or is a zombie: its memory is back already
+    if not below:
+        return cost(pid)
+    if not any(_shares_anonymous_pages(fields) for fields, _ in below):
+        return cost(pid) + sum(fields["unique"] + share for fields, share in below)
+    return (
+        proportional(pid) + kernel_share(pid) + sum(fields["proportional"] + share for fields, share in below)
+    )
+
+
+def proportional(pid: int) -> int:
+    """Process `pid`'s proportional set size (PSS): each page it maps divided by how many map it."""
+    if _HAS_ROLLUP:
+        return _rollup(pid, (b"Pss:",))
+    return psutil.Process(pid).memory_full_info().pss
+
+
+def _rollup_fields(pid: int) -> dict[str, int]:
+    """Process `pid`'s unique and proportional bytes, and its anonymous ones in all and in
+    proportion (None where the kernel does not tell), from one read."""
+    if not _HAS_ROLLUP:
+        info = psutil.Process(pid).memory_full_info()
+        return {"unique": info.uss, "proportional": info.pss}
+    fields: dict[str, int] = {"unique": 0}
+    for line in _proc_file(pid, "smaps_rollup").splitlines():
+        name, _, rest = line.partition(b":")
+        if name in (b"Private_Clean", b"Private_Dirty", b"Private_Hugetlb"):
+            fields["unique"] += 1024 * int(rest.split()[0])
+        elif name in _ROLLUP_NAMES:
+            fields[_ROLLUP_NAMES[name]] = 1024 * int(rest.split()[0])
+    return fields
+
+
+_ROLLUP_NAMES = {b"Pss": "proportional", b"Anonymous": "anonymous", b"Pss_Anon": "anonymous_share"}
+
+
+def _shares_anonymous_pages(fields: dict[str, int]) -> bool:
+    """Whether some anonymous page of the process is mapped by another too (true where unknown)."""
+    if "anonymous" not in fields or "anonymous_share" not in fields:
+        return True
+    return fields["anonymous_share"] < fields["anonymous"]
+
+
 def serving_cost(pid: int | None, first_calls: int) -> int:
-    """What the model worker `pid` costs the pod: cost(), its share of the front, and
+    """What the model worker `pid` costs the pod: cost_or_zero(), its share of the front, and
     `first_calls` bytes (0 once it has served a call: its format's first_calls_bytes
     until then, so that a size measured at load already covers them).
 
@@ -184,7 +250,8 @@ def container_memory(configured: int | None) -> int:
 
 
 def overhead(model_pids: set[int]) -> int:
-    """What this process and its descendants cost the pod, the model workers in `model_pids` aside.
+    """What this process and its descendants cost the pod, the model workers in `model_pids` and
+    every process below them (in their models' sizes, cost_or_zero()) aside.
 
     The front, the resource tracker and the spares are counted by cost(). A
     process that has children of its own (the fork server) is counted by all
@@ -197,14 +264,15 @@ def overhead(model_pids: set[int]) -> int:
     front = psutil.Process()
     total = max(0, cost(front.pid) - FRONT_SHARE_BYTES * len(model_pids))
     descendants = front.children(recursive=True)  # one walk of /proc, not one per process
-    parents = set()
+    parent_of = {}
     for process in descendants:
         try:
-            parents.add(process.ppid())
+            parent_of[process.pid] = process.ppid()
         except psutil.Error:
             pass
+    parents = set(parent_of.values())
     for process in descendants:
-        if process.pid in model_pids:
+        if _in_models(process.pid, model_pids, parent_of):
             continue
         try:
             if process.pid in parents:
@@ -214,6 +282,18 @@ def overhead(model_pids: set[int]) -> int:
         except psutil.Error:
             pass
     return total
+
+
+def _in_models(pid: int, model_pids: set[int], parent_of: dict[int, int]) -> bool:
+    """Whether `pid` is a model worker or runs below one (parent_of: each descendant's parent)."""
+    current: int | None = pid
+    for _ in range(len(parent_of) + 1):  # a pid reused while we read could make a loop
+        if current is None:
+            return False
+        if current in model_pids:
+            return True
+        current = parent_of.get(current)
+    return False
 
 
 def unclaimed(packs: list[tuple[int | None, int]]) -> int:

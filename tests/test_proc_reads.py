@@ -115,7 +115,14 @@ EXPECTED = {
     PermissionError: psutil.AccessDenied,
 }
 ROOT_ROLLUP = b"Rss: 400 kB\nPss: 100 kB\nPrivate_Clean: 10 kB\nPrivate_Dirty: 20 kB\n"
-READERS = (memory.uss, memory.resident, memory.kernel_share, memory.cost)
+READERS = (
+    memory.uss,
+    memory.resident,
+    memory.proportional,
+    memory.kernel_share,
+    memory.cost,
+    memory.tree_cost,
+)
 
 
 @pytest.fixture

@@ -22,6 +22,10 @@ from plumbing import lifeline, priority, titles
 from runtime import forkserver
 from runtime.worker import KillCause, Worker
 
+# Packs of 4 that keep models whose helpers hold more than MODEL_PACK_MAX_BYTES's default: what a
+# model's processes hold is in its size, so a model with helpers would leave for a worker of its own.
+IN_PACKS = {"MODELS_PER_WORKER": "4", "MODEL_PACK_MAX_BYTES": str(64 * 2**20)}
+
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
     runtime = Runtime().start()
@@ -387,7 +391,7 @@ def test_what_a_model_started_ends_with_its_worker():
 
 
 def test_what_a_packed_model_started_loading_ends_with_its_unload_and_its_pack_serves_on():
-    with Runtime(MODELS_PER_WORKER="4") as runtime:
+    with Runtime(**IN_PACKS) as runtime:
         runtime.load("neighbour", runtime.model_dir("neighbour"))
         folder = runtime.model_dir("helped", HELPERS_MODEL)
         open(os.path.join(folder, "escape"), "w").close()
@@ -427,7 +431,7 @@ FORKSERVER_HELPER_MODEL = """
 
 
 def test_unloading_the_packed_model_that_started_multiprocessings_fork_server_spares_the_others_helpers():
-    with Runtime(MODELS_PER_WORKER="4") as runtime:
+    with Runtime(**IN_PACKS) as runtime:
         runtime.load("first", runtime.model_dir("first", FORKSERVER_HELPER_MODEL))
         folder = runtime.model_dir("second", FORKSERVER_HELPER_MODEL)
         runtime.load("second", folder)
@@ -451,7 +455,7 @@ def _ended(pid: int) -> bool:
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
 @pytest.mark.parametrize("per_worker", ["1", "4"])
 def test_what_models_started_ends_with_the_front_even_what_left_its_workers_group(stop, per_worker):
-    runtime = Runtime(MODELS_PER_WORKER=per_worker).start()
+    runtime = Runtime(**(IN_PACKS if per_worker == "4" else {})).start()
     folder = runtime.model_dir("escaping", HELPERS_MODEL)
     open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
     runtime.load("escaping", folder)

@@ -1,0 +1,147 @@
+"""What a model's helper processes hold is in the model's size.
+
+A model may start processes (a server it talks to, a multiprocessing pool):
+they end with its worker, or with its drop from a pack, so what they hold is
+the model's. model-mesh packs the pod by the sizes we report and reads the
+capacity once, so memory in no size would go unaccounted for good. Measured
+from outside (runtime/memory.py cost_or_zero, tree_cost): a subprocess's
+pages are its own, and a forked one's are shared with its parent until one
+of them writes to them, in neither one's unique pages.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import MiB, Runtime, tree_uss
+
+from plumbing import lifeline
+from protos import model_runtime_pb2 as mm
+from runtime import memory
+
+HELD_MIB = 64
+
+# Holds HELD_MIB of written pages, says so in a file, and waits.
+_HOLDER = (
+    "import sys, time; held = bytes([1]) * ({mib} << 20); open(sys.argv[1], 'w').close(); time.sleep(600)"
+)
+
+# A model whose constructor starts a helper that holds HELD_MIB, and waits until it does.
+HELPER_MODEL = f"""
+    import os, subprocess, sys, time
+
+    class Model:
+        def __init__(self, path):
+            ready = os.path.join(path, "helper-ready")
+            if os.path.exists(ready):
+                os.unlink(ready)
+            code = {_HOLDER.format(mib=HELD_MIB)!r}
+            self.helper = subprocess.Popen([sys.executable, "-c", code, ready])
+            while not os.path.exists(ready):
+                time.sleep(0.01)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+# A parent holding HELD_MIB of written pages forks a child that only sleeps: the pages
+# are then shared by the two, in neither one's unique memory.
+_FORKING_PARENT = f"""
+import os, sys, time
+held = bytes([1]) * ({HELD_MIB} << 20)
+if os.fork() == 0:
+    time.sleep(600)
+    os._exit(0)
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+def _started(code: str, tmp_path, *args: str) -> subprocess.Popen:
+    ready = tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, "-c", code, str(ready), *args])
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert time.monotonic() < deadline and process.poll() is None, "the process did not get ready"
+        time.sleep(0.01)
+    return process
+
+
+def _end_tree(process: subprocess.Popen) -> None:
+    lifeline.kill_descendants(process.pid)
+    process.kill()
+    process.wait()
+
+
+@pytest.fixture
+def parent_of_a_holder(tmp_path):
+    """A process (a stand-in for a worker) whose subprocess holds HELD_MIB."""
+    code = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {_HOLDER.format(mib=HELD_MIB)!r}, sys.argv[1]]); "
+        "time.sleep(600)"
+    )
+    process = _started(code, tmp_path)
+    yield process
+    _end_tree(process)
+
+
+@pytest.fixture
+def forking_parent(tmp_path):
+    process = _started(_FORKING_PARENT, tmp_path)
+    yield process
+    _end_tree(process)
+
+
+def test_a_workers_cost_holds_what_its_subprocess_holds(parent_of_a_holder):
+    assert memory.cost(parent_of_a_holder.pid) < HELD_MIB * MiB // 2
+    assert memory.cost_or_zero(parent_of_a_holder.pid) >= HELD_MIB * MiB
+
+
+def test_a_workers_cost_holds_the_pages_it_shares_with_a_child_it_forked(forking_parent):
+    # Each one's unique pages miss the pages they share: a sum of cost() would too.
+    (child,) = lifeline.descendants(forking_parent.pid)
+    assert memory.cost(forking_parent.pid) + memory.cost(child) < HELD_MIB * MiB // 2
+    assert memory.cost_or_zero(forking_parent.pid) >= HELD_MIB * MiB
+
+
+def test_a_process_with_nothing_below_it_costs_what_it_did():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        assert memory.cost_or_zero(sleeper.pid) == memory.cost(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_overhead_leaves_out_what_runs_below_a_model_worker(parent_of_a_holder):
+    # The helper is in the model's size: counted in the overhead too, capacity would pay twice.
+    with_it = memory.overhead(set())
+    without = memory.overhead({parent_of_a_holder.pid})
+    assert with_it - without >= HELD_MIB * MiB
+
+
+SETTINGS = {
+    "own-worker": {"MODELS_PER_WORKER": "1"},
+    # Its helper makes it outgrow the pack: it moves to a worker of its own, measured there.
+    "leaves-its-pack": {"MODELS_PER_WORKER": "8"},
+    "stays-in-its-pack": {"MODELS_PER_WORKER": "8", "MODEL_PACK_MAX_BYTES": str(256 * MiB)},
+}
+
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+def test_a_models_size_holds_what_its_helper_holds(settings):
+    with Runtime(**settings) as rt:
+        rt.load("warm-up", rt.model_dir("warm-up"))
+        size = rt.load("helper", rt.model_dir("helper", HELPER_MODEL)).sizeInBytes
+        in_a_pack = any("models=2" in " ".join(pack.cmdline()) for pack in rt.packs())
+        assert in_a_pack == ("MODEL_PACK_MAX_BYTES" in settings)
+        assert size >= HELD_MIB * MiB, f"reported {size / MiB:.1f} MiB"
+        reported = rt.mesh.modelSize(mm.ModelSizeRequest(modelId="helper"), timeout=30).sizeInBytes
+        assert reported >= HELD_MIB * MiB
+        before = tree_uss(rt.pid)
+        rt.unload("helper")
+        assert before - tree_uss(rt.pid) >= HELD_MIB * MiB  # its helper ended with it
