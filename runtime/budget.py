@@ -8,7 +8,12 @@ killer takes the workers.
 Two kinds of bytes count against FRONT_BYTES_MAX:
 - held: a call's request, from the moment it is read until its answer is
   back (or its caller gave up). `reserve()` refuses, with RESOURCE_EXHAUSTED,
-  a request that would pass MODEL_BYTES_MAX or FRONT_BYTES_MAX.
+  a request that would pass MODEL_BYTES_MAX or FRONT_BYTES_MAX. A big
+  response is held too, until its call ends (`hold_response()`): grpc keeps
+  it until the client has read it, and can end a call only from its handler,
+  which has returned by then. So a client that reads none of its responses
+  keeps them as long as it likes, and responses may hold at most
+  SENDING_SHARE of the budget: the rest stays for reading other calls.
 - being read: grpc buffers a request whole before handing it over, and its
   size is only known then, so a read counts as the largest request allowed
   while it lasts. `start_reading()` waits, in arrival order, until that much
@@ -41,6 +46,8 @@ from typing import Any
 from runtime import status
 
 READ_LINE_MAX = 64
+# The most of FRONT_BYTES_MAX that responses being sent may hold (see above).
+SENDING_SHARE = 0.5
 # A request of the largest size comes whole in milliseconds from model-mesh in the same pod; a
 # read still under way after this long is a stalled or hostile client, or a slow link.
 SLOW_READ_SECONDS = 5.0
@@ -66,6 +73,7 @@ class ByteBudget:
         self.end_read = end_read
         self.read_limit = read_limit  # seconds a read may last, whoever waits (None: no limit)
         self.held = 0
+        self.sending = 0  # of `held`: responses until their calls end
         self.reading = 0  # a largest_request for each read under way
         self._held_by_model: dict[str, int] = {}
         self._readers: collections.deque[tuple[asyncio.Future, Any]] = collections.deque()
@@ -204,3 +212,16 @@ class ByteBudget:
         else:
             del self._held_by_model[model_id]
         self._let_readers_in()
+
+    def hold_response(self, model_id: str, size: int) -> None:
+        """Counts a response being sent as reserve() does, or raises RESOURCE_EXHAUSTED when
+        responses would hold more than SENDING_SHARE of the front's budget."""
+        limit = int(self.total * SENDING_SHARE)
+        if self.sending + size > limit:
+            raise status.responses_over_budget(model_id, size, self.sending, limit)
+        self.reserve(model_id, size)
+        self.sending += size
+
+    def release_response(self, model_id: str, size: int) -> None:
+        self.sending -= size
+        self.release(model_id, size)

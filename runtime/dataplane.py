@@ -186,8 +186,8 @@ class InferenceService(grpc.GenericRpcHandler):
     def _hold_until_sent(self, model_id: str, size: int, context) -> None:
         """Counts a big response against the byte budget until its call ends (RESOURCE_EXHAUSTED
         when it would pass a limit): grpc keeps it until the client has read it all."""
-        self.budget.reserve(model_id, size)
-        context.add_done_callback(lambda _: self.budget.release(model_id, size))
+        self.budget.hold_response(model_id, size)
+        context.add_done_callback(lambda _: self.budget.release_response(model_id, size))
 
     def _read_ended(self, error: status.RpcError, model_id: str, label: str, started: float) -> None:
         """The budget ended the call's read: its handler ends with grpc's abort, past any tally."""
@@ -209,6 +209,7 @@ class InferenceService(grpc.GenericRpcHandler):
     async def model_ready(self, request, context):
         try:
             model_id = model_id_in_headers(context.invocation_metadata()) or request.name
+            modelspec.check_model_id(model_id)  # as ModelInfer's: an empty or a 1 MiB name is refused
             if not self.supervisor.is_ready(model_id):
                 raise status.model_not_found(model_id)
         except status.RpcError as error:

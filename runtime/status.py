@@ -21,7 +21,9 @@ from workers import protocol
 log = logging.getLogger("mesh.status")
 
 
-DETAILS_MAX_CHARS = 1024
+# A status's message as sent, percent-encoded: grpc writes each byte of UTF-8 outside printable
+# ASCII (and "%") as three characters.
+DETAILS_MAX_BYTES = 1024
 
 
 class RpcError(Exception):
@@ -91,6 +93,14 @@ def over_byte_budget(model_id: str, size: int, held: int, setting: str, limit: i
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"a {size}-byte request for {model_id!r} does not fit: {whose} already hold {held} "
         f"bytes in the front, and {setting}={limit}",
+    )
+
+
+def responses_over_budget(model_id: str, size: int, sending: int, limit: int) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the {size}-byte response for {model_id!r} cannot be held until sent: responses their "
+        f"clients have not read yet hold {sending} bytes, and may hold {limit} (half of FRONT_BYTES_MAX)",
     )
 
 
@@ -205,12 +215,27 @@ async def abort(context, error: RpcError):
 
 
 def details(message: str) -> str:
-    """A status's message as sent: at most DETAILS_MAX_CHARS of it. grpc sends it in a trailer,
-    percent-encoded, and a client refuses trailers past its metadata limit (8 KiB by default),
-    which turns the status into RESOURCE_EXHAUSTED; names and model errors come from clients."""
-    if len(message) <= DETAILS_MAX_CHARS:
+    """A status's message as sent: at most DETAILS_MAX_BYTES once percent-encoded. grpc sends it in
+    a trailer, and a client refuses trailers past its metadata limit (8 KiB by default), which
+    turns the status into RESOURCE_EXHAUSTED; names and model errors come from clients, in any
+    script (a CJK character is nine bytes encoded)."""
+    if _encoded_length(message[: DETAILS_MAX_BYTES + 1]) <= DETAILS_MAX_BYTES:
         return message
-    return f"{message[:DETAILS_MAX_CHARS]}... ({len(message) - DETAILS_MAX_CHARS} more characters)"
+    room = DETAILS_MAX_BYTES - 48  # for the note of what was cut
+    kept = 0
+    for char in message[:room]:
+        room -= _encoded_length(char)
+        if room < 0:
+            break
+        kept += 1
+    return f"{message[:kept]}... ({len(message) - kept} more characters)"
+
+
+def _encoded_length(text: str) -> int:
+    """Characters `text` takes percent-encoded as grpc sends a status's message."""
+    encoded = text.encode("utf-8", "replace")
+    plain = sum(1 for byte in encoded if 0x20 <= byte <= 0x7E and byte != 0x25)
+    return plain + 3 * (len(encoded) - plain)
 
 
 def translated(handler):

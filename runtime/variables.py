@@ -339,9 +339,9 @@ VARIABLES: tuple[Variable, ...] = (
         "FRONT_BYTES_MAX",
         parse.whole_number,
         lambda s: _front_bytes_default(s),
-        "bytes of requests (and of responses of 64 KiB or more, until sent) all calls together may "
-        "hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at once (at least "
-        "GRPC_MAX_MESSAGE_BYTES)",
+        "bytes of requests (and of responses of 64 KiB or more, until sent: at most half of it) all "
+        "calls together may hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at "
+        "once (at least GRPC_MAX_MESSAGE_BYTES)",
         parse.at_least(1),
         default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES",
     ),

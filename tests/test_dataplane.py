@@ -174,6 +174,10 @@ def test_model_ready(served):
         v2.ModelReadyRequest(name="isvc"), metadata=mesh_headers(NON_ASCII_ID)
     ).ready
     expect_status(grpc.StatusCode.NOT_FOUND, served.infer.ModelReady, v2.ModelReadyRequest(name="ghost"))
+    for name in ("", "m" * 2000):  # as ModelInfer answers them
+        expect_status(
+            grpc.StatusCode.INVALID_ARGUMENT, served.infer.ModelReady, v2.ModelReadyRequest(name=name)
+        )
 
 
 def test_server_live_ready_metadata(served):

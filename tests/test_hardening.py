@@ -334,6 +334,40 @@ def test_long_error_messages_keep_their_status_and_are_cut_short(guarded):
         grpc.StatusCode.INVALID_ARGUMENT, guarded.infer.ModelInfer, request, metadata=mesh_headers("m")
     )
     assert "more characters" in error.details()
+    # Percent-encoded, a CJK character is nine bytes: cut by characters, the trailer passed a
+    # client's 8 KiB metadata limit and the status became RESOURCE_EXHAUSTED, now and then.
+    guarded.load("cjk", guarded.model_dir("cjk", raising + '        raise ValueError("模" * 2000)\n'))
+    for _ in range(20):
+        error = expect_status(grpc.StatusCode.INTERNAL, guarded.infer_fp32, "cjk", [1.0])
+        assert error.details().startswith("ValueError: 模模")
+
+
+def test_responses_not_yet_read_leave_the_budget_half_free_for_reading():
+    # A client that reads none of its answers keeps them held till its calls end, however long.
+    budget = ByteBudget(per_model=100, total=100, largest_request=10)
+    for model_id in ("a", "b", "c", "d", "e"):
+        budget.hold_response(model_id, 10)
+    with pytest.raises(status.RpcError) as refused:
+        budget.hold_response("f", 10)
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "half" in refused.value.message
+    budget.reserve("g", 40)  # requests may take the rest
+    assert budget.try_start_reading() is not None
+    budget.release_response("a", 10)
+    budget.hold_response("f", 10)
+    assert budget.sending == 50 and budget.held == 90
+
+
+def _percent_encoded_length(text: str) -> int:
+    """As grpc sends a status's message: printable ASCII but "%" as is, every other byte as %XX."""
+    return sum(1 if 0x20 <= byte <= 0x7E and byte != ord("%") else 3 for byte in text.encode())
+
+
+@pytest.mark.parametrize("text", ["x" * 5000, "模" * 2000, "😀" * 2000, "%" * 2000, "ab模" * 400])
+def test_a_status_message_is_cut_by_its_encoded_length(text):
+    sent = status.details(text)
+    assert _percent_encoded_length(sent) <= status.DETAILS_MAX_BYTES
+    assert sent.endswith(" more characters)") and text.startswith(sent.split("...")[0])
+    assert status.details(text[:10]) == text[:10]
 
 
 # Answers once a file named "go" is in its folder; says it has begun by writing "begun".
