@@ -177,6 +177,18 @@ def is_running(identity: tuple[int, int] | list[int]) -> bool:
     return fields is not None and int(fields[19]) == started and fields[0] != "Z"
 
 
+def lives(identity: tuple[int, int]) -> bool:
+    """is_running() and not is_exiting(): a process killed a moment ago is neither, from one read."""
+    pid, started = identity
+    fields = _stat_fields(pid)
+    return (
+        fields is not None
+        and int(fields[19]) == started
+        and fields[0] != "Z"
+        and not int(fields[6]) & _PF_EXITING
+    )
+
+
 def is_exiting(identity: tuple[int, int]) -> bool:
     """Whether the process `process_identity` named has begun to exit, or is a zombie: the kernel
     flags it so before it tears its memory down, closes its files and signals its children's

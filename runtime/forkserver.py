@@ -136,6 +136,12 @@ class ForkServers:
         """The group's fork server as lifeline.process_identity() names it (None: not started)."""
         return self._identities.get(group)
 
+    def all_running(self) -> bool:
+        """Whether every fork server started so far still runs: none died and waits to start again."""
+        return all(
+            identity is not None and lifeline.is_running(identity) for identity in self._identities.values()
+        )
+
     def revive_dead(self) -> None:
         """Reaps and starts again every fork server that died, though no worker of it was reaped to
         tell (it had none)."""

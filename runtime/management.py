@@ -26,6 +26,12 @@ METHOD_INFOS = {
 }
 
 
+# How long runtimeStatus waits for a fork server that died, or a warm spare, to be back before it
+# answers STARTING instead: model-mesh asks again 2 s later, and reads the capacity only once.
+SETTLE_SECONDS = 5.0
+SETTLE_CHECK_SECONDS = 0.02
+
+
 def minimum_capacity(default_size: int) -> int:
     """The smallest capacity model-mesh accepts (it refuses to start below it)."""
     return max(2 * default_size, min(512 * 2**20, 10 * default_size))
@@ -78,6 +84,13 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
         if not self.supervisor.ready:
             return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.STARTING)
         await self.supervisor.purge()
+        if not await self._settled():
+            log.warning(
+                "answering STARTING: a fork server or a warm spare is not back after %.0f s, and the "
+                "capacity model-mesh reads once would count without it",
+                SETTLE_SECONDS,
+            )
+            return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.STARTING)
         capacity = await asyncio.to_thread(self.supervisor.capacity)
         if capacity < minimum_capacity(self.settings.default_modelsize):
             log.error(
@@ -100,3 +113,13 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
             limitModelConcurrency=self.settings.limit_model_concurrency,
             allowAnyMethod=self.settings.allow_any_method,
         )
+
+    async def _settled(self) -> bool:
+        """Whether the pool is settled (WorkerPool.settled), waiting up to SETTLE_SECONDS for it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_SECONDS
+        while not self.supervisor.pool.settled():
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(SETTLE_CHECK_SECONDS)
+        return True

@@ -229,6 +229,10 @@ class WorkerPool:
     def spares(self) -> list[Worker]:
         return self._spares.alive()
 
+    def settled(self) -> bool:
+        """Every fork server runs and has its warm spares: what capacity counts now is what stays."""
+        return self.ready and self._forkservers.all_running() and self._spares.all_warm()
+
     def revive_forkservers(self) -> None:
         """Has the spawner thread reap, and start again, a fork server that died with no worker of
         its own to tell (each worker's reap looks at its fork server)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from plumbing import lifeline
 from runtime.worker import Worker, WorkerState
 
 
@@ -78,6 +79,13 @@ class Spares:
                 return group
         return None
 
+    def all_warm(self) -> bool:
+        """Whether every fork server has its `warm` spares ready, their processes living (not killed
+        a moment ago, before their reap removes them), and nobody waits for one."""
+        if self._waiters:
+            return False
+        return all(sum(map(_lives, idle)) >= self.warm for idle in self._idle.values())
+
     def waiting(self, group: str) -> int:
         """Callers in line for a spare of `group`."""
         return sum(1 for wanted, _ in self._waiters if wanted == group)
@@ -89,3 +97,8 @@ class Spares:
             if wanted == group and not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+def _lives(worker: Worker) -> bool:
+    identity = worker.pid_identity
+    return worker.state is WorkerState.SPARE and identity is not None and lifeline.lives(identity)
