@@ -126,6 +126,18 @@ class Supervisor:
             return sum(f.size_floor * PREDICTED_BASE_PER_FLOOR for f in packed) * open_per_format
         return spare * PACK_BASE_PER_SPARE * len(packed) * open_per_format
 
+    def worker_share(self, packed: bool) -> int:
+        """With WORKERS_MAX, the part of the capacity one worker (or one place in a pack) stands
+        for, for every replica; 0 with no cap. Each model is charged at least that: model-mesh
+        knows no limit but memory, and would go on sending loads that no worker is left to take."""
+        cap = self.settings.workers_max
+        if not cap:
+            return 0
+        places = cap  # a spare counts against the cap while idle, and takes the last load
+        if packed:
+            places *= self.settings.models_per_worker
+        return self.capacity_bytes // places * self.settings.model_replicas
+
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
         if self.packs.accepts(spec):
@@ -202,7 +214,7 @@ class Supervisor:
         for worker, size in zip(model.workers, sizes, strict=True):
             if not worker.serving or not size:
                 raise status.worker_died(spec.model_id, "load", worker.exit_code(), worker.death_cause)
-        model.size = sum(sizes)
+        model.size = max(sum(sizes), self.worker_share(model.packed))
         for worker in model.workers:
             model.replicas.add(worker)
         model.change_state(ModelState.READY)
@@ -362,11 +374,11 @@ class Supervisor:
     async def model_size(self, model_id: str) -> int:
         model = self.ready_model(model_id)
         if model.packed:  # a pack's later growth is no one model's: capacity counts it
-            model.size = self.packs.size_of(model) or model.size
+            model.size = max(self.packs.size_of(model) or model.size, self.worker_share(True))
             return model.size
         first_calls = model.spec.format.first_calls_bytes
         workers = [(w.pid, 0 if w.served else first_calls) for w in model.replicas.workers]
         sizes = await asyncio.to_thread(memory.serving_costs, workers)
         if len(sizes) == self.settings.model_replicas and all(sizes):
-            model.size = sum(sizes)
+            model.size = max(sum(sizes), self.worker_share(False))
         return model.size  # while healing: the last full measurement

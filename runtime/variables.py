@@ -153,7 +153,9 @@ VARIABLES: tuple[Variable, ...] = (
         "WORKERS_MAX",
         parse.whole_number,
         0,
-        "hard cap on worker processes, spares included (0: no cap)",
+        "hard cap on worker processes, spares included (0: no cap); under a cap each model is charged "
+        "at least capacityInBytes / WORKERS_MAX (/ MODELS_PER_WORKER in a pack), so that model-mesh "
+        "sees the pod full as its workers run out",
         parse.at_least(0),
     ),
     Variable(

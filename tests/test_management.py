@@ -497,3 +497,19 @@ def test_workers_max_refuses_a_load_beyond_the_cap():
         runtime.unload("first")
         runtime.load("second", runtime.model_dir("second"))
         runtime.unload("second")
+
+
+@pytest.mark.parametrize("per_worker", ["1", "4"], ids=["own-workers", "packs"])
+def test_under_workers_max_the_sizes_fill_the_capacity_as_the_workers_run_out(per_worker):
+    # model-mesh knows no limit but memory: had the sizes stayed small, it would see a pod nearly
+    # empty whose every load fails, and would never unload a model there to make room.
+    settings = {"WORKERS_WARM": "1", "WORKERS_MAX": "3", "MODELS_PER_WORKER": per_worker}
+    with Runtime(CONTAINER_MEM_REQ_BYTES=str(2 * 1024 * MiB), **settings) as runtime:
+        capacity = runtime.status.capacityInBytes
+        places = 3 * int(per_worker)  # the spare takes the last load
+        sizes = [runtime.load(f"m{i}", runtime.model_dir(f"m{i}")).sizeInBytes for i in range(places)]
+        assert all(size >= capacity // places for size in sizes), (sizes, capacity)
+        assert sum(sizes) >= capacity - places
+        model_size = runtime.mesh.modelSize(mm.ModelSizeRequest(modelId="m0"), timeout=30).sizeInBytes
+        assert model_size >= capacity // places
+        expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, runtime.load, "over", runtime.model_dir("over"))
