@@ -66,7 +66,9 @@ class ByteBudget:
         largest_request: int,
         end_read: ReadEnder | None = None,
         read_limit: float | None = None,
+        name: str = "FRONT_BYTES_MAX",
     ):
+        self.name = name  # as errors name it
         self.per_model = per_model
         self.total = total
         self.largest_request = largest_request
@@ -104,7 +106,7 @@ class ByteBudget:
         if read is not None:
             return read
         if len(self._readers) >= READ_LINE_MAX:
-            raise status.read_line_full(READ_LINE_MAX, self.total)
+            raise status.read_line_full(READ_LINE_MAX, self.name, self.total)
         turn = asyncio.get_running_loop().create_future()
         place = (turn, owner)
         self._readers.append(place)

@@ -69,7 +69,7 @@ async def _wait_to_read(budget: ByteBudget, caller: Caller) -> Read:
         async with asyncio.timeout(caller[0].time_remaining()):
             return await budget.start_reading(caller)
     except TimeoutError:
-        raise status.deadline_passed_before_reading() from None
+        raise status.deadline_passed_before_reading(budget.name) from None
 
 
 def end_read(caller: Caller, still_reading: Callable[[], bool], seconds: float, past_limit: bool) -> None:

@@ -34,8 +34,10 @@ log = logging.getLogger("mesh.server")
 
 STREAM_WINDOW_BYTES = 4 * 2**20
 # The control methods (model-mesh's management API, health, reflection, the V2 server and model
-# checks) read their requests under a budget of their own, with room for this many at once: calls
-# waiting for room in FRONT_BYTES_MAX do not hold up an unload or a health check.
+# checks) read their requests under budgets of their own, each with room for this many at once:
+# calls waiting for room in FRONT_BYTES_MAX do not hold up an unload or a health check. The
+# management API has one to itself: streams any client leaves silent on a health or server check
+# do not hold up model-mesh's loads and unloads.
 CONTROL_READS_AT_ONCE = 2
 HEALTH_SERVICE_NAME_MAX = 256
 
@@ -203,14 +205,22 @@ def build_server(
     # Inference first: grpc asks the generic handlers in order, and inference
     # calls are the many. With ALLOW_ANY_METHOD it still leaves the services
     # below alone (dataplane.NEVER_FORWARDED).
-    control = ByteBudget(
-        limit, CONTROL_READS_AT_ONCE * limit, limit, reading.end_read, reading.CONTROL_READ_SECONDS
+    control, management = (
+        ByteBudget(
+            limit,
+            CONTROL_READS_AT_ONCE * limit,
+            limit,
+            reading.end_read,
+            reading.CONTROL_READ_SECONDS,
+            name=f"the {methods}' read budget ({CONTROL_READS_AT_ONCE} x GRPC_MAX_MESSAGE_BYTES)",
+        )
+        for methods in ("control methods", "management methods")
     )
     server.add_generic_rpc_handlers([InferenceService(dispatcher, settings.allow_any_method, control)])
-    generic_only = GenericHandlersOnly(server, control)
     model_runtime_pb2_grpc.add_ModelRuntimeServicer_to_server(
-        ModelRuntimeServicer(settings, supervisor), generic_only
+        ModelRuntimeServicer(settings, supervisor), GenericHandlersOnly(server, management)
     )
+    generic_only = GenericHandlersOnly(server, control)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic_only)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(SERVICE_NAMES), generic_only

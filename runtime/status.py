@@ -134,17 +134,17 @@ def deadline_exceeded(model_id: str) -> RpcError:
     return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request for {model_id!r} ran past its deadline")
 
 
-def read_line_full(waiting: int, limit: int) -> RpcError:
+def read_line_full(waiting: int, budget: str, limit: int) -> RpcError:
     return RpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"{waiting} calls already wait for room in FRONT_BYTES_MAX={limit} to be read",
+        f"{waiting} calls already wait for room in {budget}={limit} to be read",
     )
 
 
-def deadline_passed_before_reading() -> RpcError:
+def deadline_passed_before_reading(budget: str) -> RpcError:
     return RpcError(
         grpc.StatusCode.DEADLINE_EXCEEDED,
-        "the call's deadline passed while it waited for room in FRONT_BYTES_MAX to be read",
+        f"the call's deadline passed while it waited for room in {budget} to be read",
     )
 
 

@@ -224,16 +224,17 @@ def test_reads_wait_in_line_for_room_for_the_largest_request():
     asyncio.run(scenario())
 
 
-def test_reads_beyond_the_line_limit_are_refused_at_once():
+@pytest.mark.parametrize("name", ["FRONT_BYTES_MAX", "the control methods' read budget"])
+def test_reads_beyond_the_line_limit_are_refused_at_once(name):
     async def scenario():
-        budget = ByteBudget(per_model=100, total=100, largest_request=100)
+        budget = ByteBudget(per_model=100, total=100, largest_request=100, name=name)
         await budget.start_reading()
         waiting = [asyncio.ensure_future(budget.start_reading()) for _ in range(READ_LINE_MAX)]
         await asyncio.sleep(0)
         with pytest.raises(status.RpcError) as raised:
             await budget.start_reading()
         assert raised.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"{READ_LINE_MAX} calls already wait" in raised.value.message
+        assert f"{READ_LINE_MAX} calls already wait for room in {name}=100" in raised.value.message
         for turn in waiting:
             turn.cancel()
 
@@ -409,6 +410,21 @@ def _never_sent(release: threading.Event):
     """A client's request stream that sends nothing until `release` is set."""
     release.wait()
     yield b""
+
+
+def test_silent_streams_on_server_checks_do_not_hold_up_model_meshs_calls(guarded):
+    release = threading.Event()
+    silent = guarded.channel.stream_unary("/inference.GRPCInferenceService/ServerLive")
+    stalled = [silent.future(_never_sent(release)) for _ in range(2 * CONTROL_READS_AT_ONCE)]
+    try:
+        time.sleep(0.5)  # their reads begin, and more wait for room
+        unknown = mm.ModelSizeRequest(modelId="never-loaded")
+        expect_status(grpc.StatusCode.NOT_FOUND, guarded.mesh.modelSize, unknown, timeout=30)
+        guarded.mesh.unloadModel(mm.UnloadModelRequest(modelId="never-loaded"), timeout=30)
+        # Answered while the silent reads still held their room, not once they were ended.
+        assert not any(call.done() for call in stalled)
+    finally:
+        release.set()
 
 
 def test_streams_that_never_send_their_request_hold_the_control_methods_for_seconds_only(guarded):
