@@ -124,9 +124,30 @@ def anonymous(pid: int | None) -> int:
 
 
 def cost_or_zero(pid: int | None) -> int:
-    """What the pod gets back when worker `pid` ends, with every process below it (what its
-    models started, which end with it): tree_cost(), or 0 for a process that is gone, not ours
-    or not started: none of our memory is in it."""
+    """What the pod gets back when process `pid` ends with every process below it (what its
+    models started, which end with it), by their unique pages: cost() of each, or 0 for a process
+    that is gone, not ours or not started: none of our memory is in it.
+
+    What a pack is measured by: its own cost does not move as other workers come and go, and
+    the pages it shares with a process a model forked were charged to the models that wrote
+    them. A worker of one model is measured by tree_cost() (serving_cost()).
+    """
+    if pid is None:
+        return 0
+    try:
+        total = cost(pid)
+    except psutil.Error:
+        return 0
+    for each in lifeline.descendants(pid):
+        try:
+            total += cost(each)
+        except psutil.Error:
+            pass  # it ended meanwhile, or is a zombie: its memory is back already
+    return total
+
+
+def tree_cost_or_zero(pid: int | None) -> int:
+    """tree_cost(), or 0 for a process that is gone, not ours or not started."""
     if pid is None:
         return 0
     try:
@@ -137,15 +158,17 @@ def cost_or_zero(pid: int | None) -> int:
 
 def tree_cost(pid: int) -> int:
     """cost() of process `pid` and of every process below it; by their proportional shares where
-    a process below it shares anonymous pages (it was forked, not executed).
+    a process below it shares pages (it was forked, not executed, or maps shared memory).
 
     A child the model forked shares the worker's pages until one of them writes
     to them: those pages are in neither one's unique pages, so a sum of cost()
     would miss them. Summed over the tree, PSS counts each page the tree alone
     maps once; it also counts the tree's share of the pages it shares with the
     fork server, which that server's own count already holds: an over-count,
-    never an under-count. An executed program (subprocess) shares no anonymous
-    page, so where only such run below, cost() of each counts them exactly.
+    never an under-count. Shared memory two of them map (multiprocessing's
+    shared_memory, say) is in neither's unique pages either. An executed program
+    (subprocess) that maps no shared memory shares no page but libraries', so
+    where only such run below, cost() of each counts them exactly.
     Raises psutil.Error if `pid` is gone or not ours; a process below it that
     has ended is skipped.
     """
@@ -157,7 +180,7 @@ def tree_cost(pid: int) -> int:
             pass  # it ended meanwhile, or is a zombie: its memory is back already
     if not below:
         return cost(pid)
-    if not any(_shares_anonymous_pages(fields) for fields, _ in below):
+    if not any(_shares_pages(fields) for fields, _ in below):
         return cost(pid) + sum(fields["unique"] + share for fields, share in below)
     return (
         proportional(pid) + kernel_share(pid) + sum(fields["proportional"] + share for fields, share in below)
@@ -187,24 +210,30 @@ def _rollup_fields(pid: int) -> dict[str, int]:
     return fields
 
 
-_ROLLUP_NAMES = {b"Pss": "proportional", b"Anonymous": "anonymous", b"Pss_Anon": "anonymous_share"}
+_ROLLUP_NAMES = {
+    b"Pss": "proportional",
+    b"Anonymous": "anonymous",
+    b"Pss_Anon": "anonymous_share",
+    b"Pss_Shmem": "shared_memory",
+}
 
 
-def _shares_anonymous_pages(fields: dict[str, int]) -> bool:
-    """Whether some anonymous page of the process is mapped by another too (true where unknown)."""
-    if "anonymous" not in fields or "anonymous_share" not in fields:
+def _shares_pages(fields: dict[str, int]) -> bool:
+    """Whether the process maps shared memory, or an anonymous page another maps too (true where
+    the kernel does not tell)."""
+    if not {"anonymous", "anonymous_share", "shared_memory"} <= fields.keys():
         return True
-    return fields["anonymous_share"] < fields["anonymous"]
+    return fields["shared_memory"] > 0 or fields["anonymous_share"] < fields["anonymous"]
 
 
 def serving_cost(pid: int | None, first_calls: int) -> int:
-    """What the model worker `pid` costs the pod: cost_or_zero(), its share of the front, and
+    """What the model worker `pid` costs the pod: tree_cost(), its share of the front, and
     `first_calls` bytes (0 once it has served a call: its format's first_calls_bytes
     until then, so that a size measured at load already covers them).
 
     0 for a process that is gone, not ours or not started.
     """
-    measured = cost_or_zero(pid)
+    measured = tree_cost_or_zero(pid)
     return measured + FRONT_SHARE_BYTES + first_calls if measured else 0
 
 

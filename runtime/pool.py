@@ -230,8 +230,10 @@ class WorkerPool:
         return self._spares.alive()
 
     def settled(self) -> bool:
-        """Every fork server runs and has its warm spares: what capacity counts now is what stays."""
-        return self.ready and self._forkservers.all_running() and self._spares.all_warm()
+        """Every fork server runs, and has its warm spares or all the cap allows: what the capacity
+        counts now is what stays."""
+        spares = self._spares.all_warm() or (self.at_cap() and not any(self._starting.values()))
+        return self.ready and self._forkservers.all_running() and spares
 
     def revive_forkservers(self) -> None:
         """Has the spawner thread reap, and start again, a fork server that died with no worker of

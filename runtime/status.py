@@ -100,7 +100,8 @@ def responses_over_budget(model_id: str, size: int, sending: int, limit: int) ->
     return RpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"the {size}-byte response for {model_id!r} cannot be held until sent: responses their "
-        f"clients have not read yet hold {sending} bytes, and may hold {limit} (half of FRONT_BYTES_MAX)",
+        f"clients have not read yet hold {sending} bytes, and may hold {limit} (half of FRONT_BYTES_MAX, "
+        "or GRPC_MAX_MESSAGE_BYTES if more)",
     )
 
 
@@ -218,7 +219,9 @@ def details(message: str) -> str:
     """A status's message as sent: at most DETAILS_MAX_BYTES once percent-encoded. grpc sends it in
     a trailer, and a client refuses trailers past its metadata limit (8 KiB by default), which
     turns the status into RESOURCE_EXHAUSTED; names and model errors come from clients, in any
-    script (a CJK character is nine bytes encoded)."""
+    script (a CJK character is nine bytes encoded), and what no UTF-8 can hold (a lone
+    surrogate) is written as its escape."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     if _encoded_length(message[: DETAILS_MAX_BYTES + 1]) <= DETAILS_MAX_BYTES:
         return message
     room = DETAILS_MAX_BYTES - 48  # for the note of what was cut
@@ -233,7 +236,7 @@ def details(message: str) -> str:
 
 def _encoded_length(text: str) -> int:
     """Characters `text` takes percent-encoded as grpc sends a status's message."""
-    encoded = text.encode("utf-8", "replace")
+    encoded = text.encode("utf-8")
     plain = sum(1 for byte in encoded if 0x20 <= byte <= 0x7E and byte != 0x25)
     return plain + 3 * (len(encoded) - plain)
 

@@ -343,6 +343,15 @@ def test_long_error_messages_keep_their_status_and_are_cut_short(guarded):
         assert error.details().startswith("ValueError: 模模")
 
 
+def test_the_largest_answer_fits_a_budget_at_its_floor():
+    budget = ByteBudget(per_model=100, total=100, largest_request=80)
+    budget.hold_response("m", 80)  # alone: half the budget would refuse every answer over 50
+    with pytest.raises(status.RpcError):
+        budget.hold_response("n", 10)
+    budget.release_response("m", 80)
+    assert budget.held == budget.sending == 0
+
+
 def test_responses_not_yet_read_leave_the_budget_half_free_for_reading():
     # A client that reads none of its answers keeps them held till its calls end, however long.
     budget = ByteBudget(per_model=100, total=100, largest_request=10)
@@ -361,6 +370,20 @@ def test_responses_not_yet_read_leave_the_budget_half_free_for_reading():
 def _percent_encoded_length(text: str) -> int:
     """As grpc sends a status's message: printable ASCII but "%" as is, every other byte as %XX."""
     return sum(1 if 0x20 <= byte <= 0x7E and byte != ord("%") else 3 for byte in text.encode())
+
+
+def test_a_model_error_no_utf8_can_hold_fails_its_call_alone(guarded):
+    # A lone surrogate, as os.listdir() makes of an undecodable name: packing the message raised,
+    # and the worker (a pack and its other models with it) died of it, call after call.
+    raising = "class Model:\n    def __init__(self, path):\n        pass\n\n    def predict(self, inputs):\n"
+    source = raising + '        raise FileNotFoundError("no " + "caf" + chr(0xDCE9) + ".csv")\n'
+    guarded.load("undecodable", guarded.model_dir("undecodable", source))
+    worker = guarded.worker_for("undecodable")
+    for _ in range(3):
+        error = expect_status(grpc.StatusCode.INTERNAL, guarded.infer_fp32, "undecodable", [1.0])
+        assert "caf\\udce9.csv" in error.details()
+    assert guarded.worker_for("undecodable").pid == worker.pid
+    assert status.details("caf" + chr(0xDCE9)) == "caf\\udce9"
 
 
 @pytest.mark.parametrize("text", ["x" * 5000, "模" * 2000, "😀" * 2000, "%" * 2000, "ab模" * 400])

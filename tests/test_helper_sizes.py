@@ -4,9 +4,10 @@ A model may start processes (a server it talks to, a multiprocessing pool):
 they end with its worker, or with its drop from a pack, so what they hold is
 the model's. model-mesh packs the pod by the sizes we report and reads the
 capacity once, so memory in no size would go unaccounted for good. Measured
-from outside (runtime/memory.py cost_or_zero, tree_cost): a subprocess's
-pages are its own, and a forked one's are shared with its parent until one
-of them writes to them, in neither one's unique pages.
+from outside (runtime/memory.py tree_cost, cost_or_zero): a subprocess's
+pages are its own, a forked one's are shared with its parent until one of
+them writes to them, and shared memory two of them map is both's: such
+pages are in neither one's unique pages.
 """
 
 from __future__ import annotations
@@ -89,6 +90,31 @@ def parent_of_a_holder(tmp_path):
     _end_tree(process)
 
 
+# A parent writes HELD_MIB of shared memory (a memfd) and runs a program that maps all of it:
+# the pages are then the two's, in neither one's unique memory. Both gone, the memfd is freed.
+_SHARING_PARENT = f"""
+import mmap, os, subprocess, sys, time
+size = {HELD_MIB} << 20
+fd = os.memfd_create("held")
+os.ftruncate(fd, size)
+shared = mmap.mmap(fd, size)
+shared[:] = bytes([1]) * size
+reader = (
+    "import mmap, sys, time; size = int(sys.argv[2]); m = mmap.mmap(int(sys.argv[1]), size); "
+    "sum(m[i] for i in range(0, size, 4096)); open(sys.argv[3], 'w').close(); time.sleep(600)"
+)
+subprocess.Popen([sys.executable, "-c", reader, str(fd), str(size), sys.argv[1]], pass_fds=[fd])
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def sharing_parent(tmp_path):
+    process = _started(_SHARING_PARENT, tmp_path)
+    yield process
+    _end_tree(process)
+
+
 @pytest.fixture
 def forking_parent(tmp_path):
     process = _started(_FORKING_PARENT, tmp_path)
@@ -105,7 +131,13 @@ def test_a_workers_cost_holds_the_pages_it_shares_with_a_child_it_forked(forking
     # Each one's unique pages miss the pages they share: a sum of cost() would too.
     (child,) = lifeline.descendants(forking_parent.pid)
     assert memory.cost(forking_parent.pid) + memory.cost(child) < HELD_MIB * MiB // 2
-    assert memory.cost_or_zero(forking_parent.pid) >= HELD_MIB * MiB
+    assert memory.tree_cost(forking_parent.pid) >= HELD_MIB * MiB
+
+
+def test_a_workers_cost_holds_the_shared_memory_it_maps_with_a_program_it_ran(sharing_parent):
+    (child,) = lifeline.descendants(sharing_parent.pid)
+    assert memory.cost(sharing_parent.pid) + memory.cost(child) < HELD_MIB * MiB // 2
+    assert memory.tree_cost(sharing_parent.pid) >= HELD_MIB * MiB
 
 
 def test_a_process_with_nothing_below_it_costs_what_it_did():

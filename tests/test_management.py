@@ -80,6 +80,15 @@ def test_capacity_is_read_once_the_fork_servers_and_spares_are_back():
         assert abs(answer.capacityInBytes - settled) < 4 * MiB, (answer.capacityInBytes, settled)
 
 
+@pytest.mark.parametrize("settings", [{"WORKERS_WARM": "2", "WORKERS_MAX": "1"}], ids=["fewer-than-warm"])
+def test_ready_when_the_cap_allows_fewer_spares_than_warm(settings):
+    # The spares the cap forbids never come: waiting for them, it would answer STARTING for ever.
+    with Runtime(**settings) as runtime:
+        answer = runtime.mesh.runtimeStatus(mm.RuntimeStatusRequest(), timeout=30)
+        assert answer.status == mm.RuntimeStatusResponse.READY
+        assert "answering STARTING" not in runtime.log()
+
+
 def test_capacity_too_small_for_mesh_answers_failing():
     # Mesh refuses capacity below min(512 MiB, 10 x the default size).
     runtime = Runtime(CONTAINER_MEM_REQ_BYTES=str(300 * MiB), DEFAULT_MODELSIZE=str(100 * MiB))

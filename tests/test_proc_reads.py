@@ -260,7 +260,7 @@ def test_kill_a_worker_whose_process_is_gone():
 
 
 def test_a_worker_that_has_not_served_is_charged_its_first_calls(monkeypatch):
-    monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 0 if pid is None else 5 * 1024 * 1024)
+    monkeypatch.setattr(memory, "tree_cost_or_zero", lambda pid: 0 if pid is None else 5 * 1024 * 1024)
     first, served, gone = memory.serving_costs([(1, 384 * 1024), (1, 0), (None, 384 * 1024)])
     assert served == 5 * 1024 * 1024 + memory.FRONT_SHARE_BYTES
     assert first == served + 384 * 1024

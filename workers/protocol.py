@@ -165,8 +165,11 @@ def reply(request_id: int, **fields: Any) -> bytes:
 
 
 def error_reply(request_id: int, kind: str, message: str) -> bytes:
-    """Packs a failed reply header naming an ERROR_* kind."""
+    """Packs a failed reply header naming an ERROR_* kind. The message comes from model code and
+    may hold what no UTF-8 can (a lone surrogate, as os.listdir() makes of an undecodable name):
+    written as its escape, so that packing it cannot fail and take the worker down."""
     assert kind in ERROR_KINDS, kind
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return header(OP_REPLY, request_id, ok=False, error=kind, message=message)
 
 
