@@ -12,6 +12,7 @@ import logging
 from protos import model_runtime_pb2 as pb
 from protos import model_runtime_pb2_grpc as pb_grpc
 from runtime import __version__, modelspec, status
+from runtime.meshunits import minimum_capacity
 from runtime.settings import Settings
 from runtime.supervisor import Supervisor
 
@@ -30,11 +31,6 @@ METHOD_INFOS = {
 # answers STARTING instead: model-mesh asks again 2 s later, and reads the capacity only once.
 SETTLE_SECONDS = 5.0
 SETTLE_CHECK_SECONDS = 0.02
-
-
-def minimum_capacity(default_size: int) -> int:
-    """The smallest capacity model-mesh accepts (it refuses to start below it)."""
-    return max(2 * default_size, min(512 * 2**20, 10 * default_size))
 
 
 class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
@@ -91,7 +87,7 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
                 SETTLE_SECONDS,
             )
             return pb.RuntimeStatusResponse(status=pb.RuntimeStatusResponse.STARTING)
-        capacity = await asyncio.to_thread(self.supervisor.capacity)
+        capacity = await asyncio.to_thread(self.supervisor.report_capacity)
         if capacity < minimum_capacity(self.settings.default_modelsize):
             log.error(
                 "capacity %d bytes is below what model-mesh accepts (%d); answering FAILING",

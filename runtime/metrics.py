@@ -157,7 +157,9 @@ class _StateCollector:
             "mesh_queue_depth", "Calls waiting for a free worker, per model", labels=["model"]
         )
         size = GaugeMetricFamily(
-            "mesh_model_memory_bytes", "Reported size of each model (USS, kernel share)", labels=["model"]
+            "mesh_model_memory_bytes",
+            "Reported size of each model (USS, kernel share; at least WORKERS_MAX's floor)",
+            labels=["model"],
         )
         ready = GaugeMetricFamily(
             "mesh_model_ready_replicas", "Workers ready to serve each model", labels=["model"]
@@ -172,7 +174,9 @@ class _StateCollector:
         yield GaugeMetricFamily(
             "mesh_capacity_bytes", "capacityInBytes reported to model-mesh", value=capacity
         )
-        yield GaugeMetricFamily("mesh_capacity_used_bytes", "Memory the loaded models use", value=used)
+        yield GaugeMetricFamily(
+            "mesh_capacity_used_bytes", "Sum of the loaded models' reported sizes", value=used
+        )
         yield GaugeMetricFamily(
             "mesh_capacity_free_bytes", "Capacity not used by loaded models", value=max(0, capacity - used)
         )

@@ -44,6 +44,7 @@ import asyncio
 import logging
 import time
 
+from plumbing import lifeline
 from runtime import forkserver, memory, repacking, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
@@ -238,9 +239,9 @@ class Packs:
         if not reply["ok"]:
             return await self._failed(pack, model, reply, left=added)
         pack.grown[model.model_id] = max(0, added)
-        measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
+        measured, below = await asyncio.to_thread(_cost_and_processes_below, worker.pid)
         pack.last_loaded, pack.last_loaded_at = model, time.monotonic()
-        return reply, self._charge(pack, model.model_id, measured)
+        return reply, self._charge(pack, model.model_id, measured, below)
 
     async def rehearse(self, pack: Pack, model: Model) -> dict:
         """A new pack loads its first model once and drops it before the load that counts.
@@ -277,18 +278,22 @@ class Packs:
             await self.repacker.recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
         return reply, 0
 
-    def _charge(self, pack: Pack, model_id: str, measured: int) -> int:
+    def _charge(self, pack: Pack, model_id: str, measured: int, processes_below: bool = False) -> int:
         """The model's size, now that the pack costs `measured`: what no model is charged for yet (at
         least PACKED_MODEL_MIN_BYTES), its share of the base and of what calls add after the
         pack's last load (its format's first_calls_bytes), what drops may leave behind
         (DROP_LEFTOVER_BYTES), and what the front holds for it.
 
         So the sizes of a pack's models add up to at least what it grew by, and a load that only
-        refilled heap freed before is not charged that heap a second time.
+        refilled heap freed before is not charged that heap a second time. Where processes run
+        below the pack (`processes_below`), not less than its anonymous memory grew by
+        (`pack.grown`): a model that forks a child as it loads shares what it wrote with it, in
+        neither one's unique pages, which `measured` counts.
         """
         others = sum(charge for other, charge in pack.growth_charged.items() if other != model_id)
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
-        growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
+        grown = pack.grown.get(model_id, 0) if processes_below else 0
+        growth = max(uncharged, grown, PACKED_MODEL_MIN_BYTES)
         # A pack left to one model's long load (runtime/slowloads.py) holds none other for good.
         sharing = self.settings.models_per_worker
         if pack.left_to is not None and pack.left_to.model_id == model_id:
@@ -384,3 +389,8 @@ class Packs:
         pack.charged.clear()
         pack.growth_charged.clear()
         return models
+
+
+def _cost_and_processes_below(pid: int | None) -> tuple[int, bool]:
+    """What pack `pid` costs (memory.cost_or_zero), and whether processes run below it."""
+    return memory.cost_or_zero(pid), pid is not None and bool(lifeline.descendants(pid))

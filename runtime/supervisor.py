@@ -28,6 +28,7 @@ import time
 from runtime import memory, modelspec, status
 from runtime.channel import PeerGone
 from runtime.healing import Healer
+from runtime.meshunits import UNIT_BYTES, units_for_models
 from runtime.metrics import Metrics
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
@@ -77,7 +78,7 @@ class Supervisor:
 
     async def start(self) -> None:
         await self.pool.start()
-        await asyncio.to_thread(self.capacity)
+        await asyncio.to_thread(self.report_capacity)
         if self.settings.worker_memory_limit_bytes:
             self._watchdog = asyncio.create_task(
                 watch_memory(self, self.pool, self.settings.worker_memory_limit_bytes), name="memory-watchdog"
@@ -103,7 +104,11 @@ class Supervisor:
         model_pids |= {pid for pid, _ in in_packs if pid is not None}
         overhead = memory.overhead(model_pids) + memory.unclaimed(in_packs) + self.open_packs_reserve()
         total = memory.container_memory(self.settings.container_mem_req_bytes)
-        self.capacity_bytes = max(0, total - self.settings.mem_buffer_bytes - overhead)
+        return max(0, total - self.settings.mem_buffer_bytes - overhead)
+
+    def report_capacity(self) -> int:
+        """capacity(), kept as what model-mesh is told (the WORKERS_MAX floor follows it). Blocking."""
+        self.capacity_bytes = self.capacity()
         return self.capacity_bytes
 
     def open_packs_reserve(self) -> int:
@@ -129,20 +134,27 @@ class Supervisor:
     def worker_share(self, packed: bool) -> int:
         """With WORKERS_MAX, the part of the capacity one worker (or one place in a pack) stands
         for, for every replica; 0 with no cap. Each model is charged at least that: model-mesh
-        knows no limit but memory, and would go on sending loads that no worker is left to take."""
+        knows no limit but memory, and would go on sending loads that no worker is left to take.
+        Of the capacity, the part model-mesh fills with models, in its units: the cap's worth
+        of models fits, and one more does not."""
         cap = self.settings.workers_max
         if not cap:
             return 0
         places = cap  # a spare counts against the cap while idle, and takes the last load
         if packed:
             places *= self.settings.models_per_worker
-        return self.capacity_bytes // places * self.settings.model_replicas
+        settings = self.settings
+        units = units_for_models(
+            self.capacity_bytes, settings.max_loading_concurrency, settings.default_modelsize
+        )
+        return units // places * UNIT_BYTES * settings.model_replicas
 
     def predicted_size(self, spec: ModelSpec) -> int:
         """predictModelSize's answer: conservative, for every replica; a pack's share for a small model."""
         if self.packs.accepts(spec):
-            return self.packs.predicted_size(spec) * self.settings.model_replicas
-        return modelspec.predicted_size(spec, self.settings)
+            predicted = self.packs.predicted_size(spec) * self.settings.model_replicas
+            return max(predicted, self.worker_share(True))
+        return max(modelspec.predicted_size(spec, self.settings), self.worker_share(False))
 
     # -- loading --------------------------------------------------------------------
 

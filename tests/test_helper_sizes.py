@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
-from harness import MiB, Runtime, tree_uss
+from harness import MiB, Runtime, tree
 
 from plumbing import lifeline
 from protos import model_runtime_pb2 as mm
@@ -43,6 +44,22 @@ HELPER_MODEL = f"""
             self.helper = subprocess.Popen([sys.executable, "-c", code, ready])
             while not os.path.exists(ready):
                 time.sleep(0.01)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+# A model that writes HELD_MIB, then forks a child that sleeps: what it wrote is then the two's.
+FORKING_MODEL = f"""
+    import os, time
+    import numpy as np
+
+    class Model:
+        def __init__(self, path):
+            self.held = np.ones({HELD_MIB} << 20, dtype=np.uint8)
+            if os.fork() == 0:
+                time.sleep(600)
+                os._exit(0)
 
         def predict(self, inputs):
             return dict(inputs)
@@ -143,7 +160,9 @@ def test_a_workers_cost_holds_the_shared_memory_it_maps_with_a_program_it_ran(sh
 def test_a_process_with_nothing_below_it_costs_what_it_did():
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
+        time.sleep(0.3)  # its exec done: its pages no longer change between two readings
         assert memory.cost_or_zero(sleeper.pid) == memory.cost(sleeper.pid)
+        assert memory.tree_cost(sleeper.pid) == memory.cost(sleeper.pid)
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -164,16 +183,29 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("model", [HELPER_MODEL, FORKING_MODEL], ids=["subprocess", "forked"])
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
-def test_a_models_size_holds_what_its_helper_holds(settings):
+def test_a_models_size_holds_what_its_helper_holds(settings, model):
     with Runtime(**settings) as rt:
         rt.load("warm-up", rt.model_dir("warm-up"))
-        size = rt.load("helper", rt.model_dir("helper", HELPER_MODEL)).sizeInBytes
+        size = rt.load("helper", rt.model_dir("helper", model)).sizeInBytes
         in_a_pack = any("models=2" in " ".join(pack.cmdline()) for pack in rt.packs())
         assert in_a_pack == ("MODEL_PACK_MAX_BYTES" in settings)
         assert size >= HELD_MIB * MiB, f"reported {size / MiB:.1f} MiB"
         reported = rt.mesh.modelSize(mm.ModelSizeRequest(modelId="helper"), timeout=30).sizeInBytes
         assert reported >= HELD_MIB * MiB
-        before = tree_uss(rt.pid)
+        before = _tree_pss(rt.pid)
         rt.unload("helper")
-        assert before - tree_uss(rt.pid) >= HELD_MIB * MiB  # its helper ended with it
+        assert before - _tree_pss(rt.pid) >= HELD_MIB * MiB  # its helper ended with it
+
+
+def _tree_pss(pid: int) -> int:
+    """The PSS of a process tree: pages its processes share among them count once (USS would miss
+    what a forked child shares with its parent)."""
+    total = 0
+    for process in tree(pid):
+        try:
+            total += memory.proportional(process.pid)
+        except psutil.Error:
+            pass  # gone meanwhile, or a zombie
+    return total

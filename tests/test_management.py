@@ -514,11 +514,24 @@ def test_under_workers_max_the_sizes_fill_the_capacity_as_the_workers_run_out(pe
     # empty whose every load fails, and would never unload a model there to make room.
     settings = {"WORKERS_WARM": "1", "WORKERS_MAX": "3", "MODELS_PER_WORKER": per_worker}
     with Runtime(CONTAINER_MEM_REQ_BYTES=str(2 * 1024 * MiB), **settings) as runtime:
-        capacity = runtime.status.capacityInBytes
+        status = runtime.status
+        usable, full = _mesh_cache_units(status)
         places = 3 * int(per_worker)  # the spare takes the last load
         sizes = [runtime.load(f"m{i}", runtime.model_dir(f"m{i}")).sizeInBytes for i in range(places)]
-        assert all(size >= capacity // places for size in sizes), (sizes, capacity)
-        assert sum(sizes) >= capacity - places
+        units = sum(-(-size // 8192) for size in sizes)
+        assert usable - full < units <= usable, (sizes, usable, full)  # all fit, and model-mesh sees it full
         model_size = runtime.mesh.modelSize(mm.ModelSizeRequest(modelId="m0"), timeout=30).sizeInBytes
-        assert model_size >= capacity // places
+        assert model_size == sizes[0]
+        request = mm.PredictModelSizeRequest(modelId="next", modelPath=runtime.model_dir("next"))
+        assert runtime.mesh.predictModelSize(request, timeout=30).sizeInBytes >= min(sizes)
         expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, runtime.load, "over", runtime.model_dir("over"))
+
+
+def _mesh_cache_units(status) -> tuple[int, int]:
+    """(units model-mesh fills with models, free units under which it takes the pod for full), as
+    its code works them out from runtimeStatus (the contract doc, section 1.2)."""
+    capacity, threads = status.capacityInBytes // 8192, status.maxLoadingConcurrency
+    default = -(-status.defaultModelSizeInBytes // 8192)
+    kept = min(max(threads * default // (2 if threads <= 2 else 4), capacity // 100), capacity // 10)
+    full = max(default * (1 if threads <= 1 else 2), min(default * threads, capacity // 20))
+    return capacity - kept, full
