@@ -128,9 +128,9 @@ def cost_or_zero(pid: int | None) -> int:
     models started, which end with it), by their unique pages: cost() of each, or 0 for a process
     that is gone, not ours or not started: none of our memory is in it.
 
-    What a pack is measured by: its own cost does not move as other workers come and go, and
-    the pages it shares with a process a model forked were charged to the models that wrote
-    them. A worker of one model is measured by tree_cost() (serving_cost()).
+    What a pack is measured by: its own cost does not move as other workers come and go (a load
+    that leaves a process below it is charged at least the pack's anonymous growth instead:
+    runtime/packs.py). A worker of one model is measured by tree_cost() (serving_cost()).
     """
     if pid is None:
         return 0
@@ -195,8 +195,8 @@ def proportional(pid: int) -> int:
 
 
 def _rollup_fields(pid: int) -> dict[str, int]:
-    """Process `pid`'s unique and proportional bytes, and its anonymous ones in all and in
-    proportion (None where the kernel does not tell), from one read."""
+    """Process `pid`'s unique and proportional bytes, its anonymous ones in all and in proportion,
+    and its shared memory in proportion (left out where the kernel does not tell), from one read."""
     if not _HAS_ROLLUP:
         info = psutil.Process(pid).memory_full_info()
         return {"unique": info.uss, "proportional": info.pss}
@@ -280,7 +280,7 @@ def container_memory(configured: int | None) -> int:
 
 def overhead(model_pids: set[int]) -> int:
     """What this process and its descendants cost the pod, the model workers in `model_pids` and
-    every process below them (in their models' sizes, cost_or_zero()) aside.
+    every process below them (in their models' sizes) aside.
 
     The front, the resource tracker and the spares are counted by cost(). A
     process that has children of its own (the fork server) is counted by all

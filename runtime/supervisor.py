@@ -137,13 +137,12 @@ class Supervisor:
         knows no limit but memory, and would go on sending loads that no worker is left to take.
         Of the capacity, the part model-mesh fills with models, in its units: the cap's worth
         of models fits, and one more does not."""
-        cap = self.settings.workers_max
-        if not cap:
-            return 0
-        places = cap  # a spare counts against the cap while idle, and takes the last load
-        if packed:
-            places *= self.settings.models_per_worker
         settings = self.settings
+        if not settings.workers_max:
+            return 0
+        places = settings.workers_max  # a spare counts against the cap while idle, and takes the last load
+        if packed:
+            places *= settings.models_per_worker
         units = units_for_models(
             self.capacity_bytes, settings.max_loading_concurrency, settings.default_modelsize
         )
