@@ -288,18 +288,19 @@ class Packs:
         refilled heap freed before is not charged that heap a second time. Where processes run
         below the pack (`processes_below`), not less than its anonymous memory grew by
         (`pack.grown`): a model that forks a child as it loads shares what it wrote with it, in
-        neither one's unique pages, which `measured` counts.
+        neither one's unique pages, which `measured` counts. That part is in its size only, not
+        in `growth_charged`, which later loads and a fresh pack's base subtract from `measured`.
         """
         others = sum(charge for other, charge in pack.growth_charged.items() if other != model_id)
         uncharged = measured + memory.FRONT_SHARE_BYTES - pack.base_bytes - others
-        grown = pack.grown.get(model_id, 0) if processes_below else 0
-        growth = max(uncharged, grown, PACKED_MODEL_MIN_BYTES)
+        growth = max(uncharged, PACKED_MODEL_MIN_BYTES)
+        shared = max(0, pack.grown.get(model_id, 0) - growth) if processes_below else 0
         # A pack left to one model's long load (runtime/slowloads.py) holds none other for good.
         sharing = self.settings.models_per_worker
         if pack.left_to is not None and pack.left_to.model_id == model_id:
             sharing = 1
-        share = (pack.base_bytes + pack.calls_bytes) // sharing
-        size = growth + share + PER_MODEL_BYTES
+        share = max(0, pack.base_bytes + pack.calls_bytes) // sharing
+        size = growth + shared + share + PER_MODEL_BYTES
         pack.growth_charged[model_id] = growth
         pack.charged[model_id] = size
         return size

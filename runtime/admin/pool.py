@@ -1,9 +1,10 @@
 """pool: the worker pool and the memory budget.
 
 Warm spares ready and wanted, worker processes and WORKERS_MAX, replicas and
-threads per model, and capacity: reported to model-mesh, used by loaded
-models (their measured USS), and free; and what capacity holds back for
-packs not yet full, whose base their models' sizes do not yet cover.
+threads per model, and capacity: as it would be reported to model-mesh now
+(model-mesh keeps what it was told at READY), used by loaded models (their
+reported sizes), and free; and what capacity holds back for packs not yet
+full, whose base their models' sizes do not yet cover.
 """
 
 from __future__ import annotations
