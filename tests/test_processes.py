@@ -491,3 +491,38 @@ def test_a_process_that_exited_and_is_not_reaped_yet_is_exiting_and_a_running_on
     assert not lifeline.is_exiting((child.pid, identity[1] + 1))  # another process that took its pid
     child.wait()
     assert not lifeline.is_exiting(identity)  # gone
+
+
+# Keeps a pool of forked workers, each of which answered once; writes their pids.
+POOL_MODEL = """
+    import multiprocessing, os
+
+    def _pid(_):
+        return os.getpid()
+
+    class Model:
+        def __init__(self, path):
+            self.pool = multiprocessing.get_context("fork").Pool(2)
+            pids = set(self.pool.map(_pid, range(8), chunksize=1))
+            with open(os.path.join(path, "pool.pids"), "w") as pids_file:
+                pids_file.write(" ".join(map(str, pids)))
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+@pytest.mark.parametrize("settings", [{"MODELS_PER_WORKER": "8"}, IN_PACKS], ids=["moves-out", "stays"])
+def test_a_packed_model_holding_a_pool_is_dropped_and_its_pack_serves_on(settings):
+    # Its pool's workers killed first, the pool's finalizer waited for ever on the lock one of them
+    # held, and the pack with it: its load (moving out of the pack) or its unload timed out.
+    with Runtime(**settings) as runtime:
+        runtime.load("neighbour", runtime.model_dir("neighbour"))
+        folder = runtime.model_dir("pooled", POOL_MODEL)
+        runtime.load("pooled", folder, timeout=30)
+        with open(os.path.join(folder, "pool.pids")) as pids_file:
+            workers = [int(pid) for pid in pids_file.read().split()]
+        assert runtime.infer_fp32("neighbour", [1.0]).outputs
+        runtime.unload("pooled")
+        assert runtime.infer_fp32("neighbour", [1.0]).outputs
+        wait_until(lambda: all(map(_ended, workers)), timeout=10, what="the pool's workers to end")

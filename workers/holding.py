@@ -138,15 +138,19 @@ class Holdings:
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
         held = self.by_id.pop(model_id, None)
+        helpers: list[tuple[int, int]] = []
         if held is not None:
             try:
                 held.model.close()
             except BaseException:
                 log.exception("close() of %s raised", model_id, extra={"model_id": model_id})
-            lifeline.end_children(held.helpers)  # with their memory, before the front measures
+            helpers = held.helpers
             del held
         self._title()
+        # The model's objects go first, and end what they started their own way: a multiprocessing
+        # Pool's finalizer waited for ever on the queue lock of a worker killed under it.
         self._after_change(collect=True)
+        lifeline.end_children(helpers)  # what is left, with its memory, before the front measures
         log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
         return [protocol.reply(header["id"])]
 
