@@ -139,7 +139,7 @@ class ForkServers:
     def all_running(self) -> bool:
         """Whether every fork server started so far still runs: none died and waits to start again."""
         return all(
-            identity is not None and lifeline.is_running(identity) for identity in self._identities.values()
+            identity is not None and lifeline.lives(identity) for identity in self._identities.values()
         )
 
     def revive_dead(self) -> None:
