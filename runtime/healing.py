@@ -162,7 +162,7 @@ class Healer:
         worker = None
         try:
             async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
-                worker, reply, _ = await self.packs.load(model, avoid=model.workers)
+                worker, reply, _, _ = await self.packs.load(model, avoid=model.workers)
         except status.RpcError as error:  # WORKERS_MAX: no process to heal into
             reply = {"ok": False, "message": error.message}
         except (PeerGone, TimeoutError):

@@ -33,6 +33,12 @@ the unload returns, and so is one that may still run an abandoned load
 unload, a format's emptiest pack may be compacted into the others
 (runtime/repacking.py).
 
+A model whose load leaves processes running below its pack moves to a worker
+of its own (runtime/supervisor.py): what it shares with them, and its
+neighbours' pages a child it forked keeps, are in no measure of the pack, and
+a forked child would keep those pages after their unload. If any of them
+outlives its drop (multiprocessing's fork server, say), the pack is recycled.
+
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the model whose code it was
 running (runtime/healing.py blamed()).
@@ -43,12 +49,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import NamedTuple
 
 from plumbing import lifeline
 from runtime import forkserver, memory, repacking, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
+from runtime.pack import Identity, Pack
 from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
@@ -81,43 +89,16 @@ FILLING_PACKS_MAX = 2
 # How long an unload lets the model's calls under way in its pack run before it drops the model
 # (as long as a worker of its own gets between SIGTERM and SIGKILL).
 CALLS_GRACE_SECONDS = 2.0
-# How long a model just loaded is taken to wait for its first call, when none comes.
-FIRST_CALL_WAIT_SECONDS = 1.0
 
 
-class Pack:
-    def __init__(self, worker: Worker, format_name: str):
-        self.worker = worker
-        self.format_name = format_name  # a pack holds models of one format
-        self.members: dict[str, Model] = {}  # placed here: loading or loaded
-        self.charged: dict[str, int] = {}  # loaded: model id -> its reported size
-        self.growth_charged: dict[str, int] = {}  # loaded: model id -> the part of its size not base
-        self.grown: dict[str, int] = {}  # loaded: model id -> what its load added, measured
-        self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
-        self.open = True  # takes new models; False once it is recycled, emptied, dead or left to a load
-        self.abandoned = False  # a load was given up while the pack may still run it
-        self.left_to: Model | None = None  # its others moved out while this one's load ran long
-        self.left_behind: set[str] = set()  # ids of models that moved out, still held until that load is in
-        self.left = asyncio.Event()  # set once it is left to that load
-        self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
-        self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
-        self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
-        self.last_loaded_at = 0.0
-
-    def give_up_load(self) -> None:
-        """A load was given up on while the pack may still run it: no other load goes there
-        meanwhile (it would wait that load out), and the model's unload recycles the pack."""
-        self.abandoned = True
-        self.open = False
-
-    def preference(self, now: float) -> tuple[bool, bool, int]:
-        """Packs that take a model sort by this: free of loads, then of first calls due, then fullest."""
-        return (not self.lock.locked(), not self.awaits_first_call(now), len(self.members))
-
-    def awaits_first_call(self, now: float) -> bool:
-        """Its last model is just loaded and yet to be called: a load sent now would delay that call."""
-        last = self.last_loaded
-        return last is not None and not last.called and now - self.last_loaded_at < FIRST_CALL_WAIT_SECONDS
+class PackedLoad(NamedTuple):
+    worker: Worker  # the pack's
+    reply: dict  # the pack's reply to the load
+    size: int  # what the model is charged there; 0 if the load failed
+    # Its load left processes running below the pack: the pages it shares with them, and those of
+    # its neighbours a forked child keeps, are in no measure of the pack (runtime/supervisor.py
+    # moves such a model to a worker of its own, measured as a tree there).
+    started_processes: bool
 
 
 class Packs:
@@ -181,17 +162,14 @@ class Packs:
 
     # -- loading ----------------------------------------------------------------------
 
-    async def load(self, model: Model, avoid: list[Worker]) -> tuple[Worker, dict, int]:
-        """Loads the model into a pack (not one in `avoid`); (its worker, the reply, bytes charged).
-
-        The charge is 0 when the load failed. Raises PeerGone if the pack dies.
-        """
+    async def load(self, model: Model, avoid: list[Worker]) -> PackedLoad:
+        """Loads the model into a pack (not one in `avoid`). Raises PeerGone if the pack dies."""
         while True:
             pack = await self._place(model, avoid)
             async with slowloads.lock_unless_left(pack) as locked:
                 if locked and pack.open and model.model_id in pack.members:
                     reply, size = await self._load_into(pack, model)
-                    return pack.worker, reply, size
+                    return PackedLoad(pack.worker, reply, size, bool(pack.started.get(model.model_id)))
             pack.members.pop(model.model_id, None)  # recycled, emptied or left to a load meanwhile: again
 
     async def _place(self, model: Model, avoid: list[Worker]) -> Pack:
@@ -229,6 +207,7 @@ class Packs:
             reply = await self.rehearse(pack, model)
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
+        running = await asyncio.to_thread(_processes_below, worker.pid)
         before = memory.anonymous(worker.pid)
         reply = await slowloads.send_load_beside_others(self, pack, model)
         if reply["ok"]:
@@ -240,8 +219,10 @@ class Packs:
             return await self._failed(pack, model, reply, left=added)
         pack.grown[model.model_id] = max(0, added)
         measured, below = await asyncio.to_thread(_cost_and_processes_below, worker.pid)
+        if below - running:
+            pack.started[model.model_id] = below - running
         pack.last_loaded, pack.last_loaded_at = model, time.monotonic()
-        return reply, self._charge(pack, model.model_id, measured, below)
+        return reply, self._charge(pack, model.model_id, measured, bool(below))
 
     async def rehearse(self, pack: Pack, model: Model) -> dict:
         """A new pack loads its first model once and drops it before the load that counts.
@@ -346,6 +327,7 @@ class Packs:
         charged = pack.charged.pop(model_id, None)
         pack.growth_charged.pop(model_id, None)
         grown = pack.grown.pop(model_id, 0)
+        started = pack.started.pop(model_id, set())
         if not pack.charged and not pack.members:
             await self._end(pack, f"its last model ({model_id}) is unloaded")
             return
@@ -367,7 +349,12 @@ class Packs:
         except PeerGone:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
         freed = before - memory.anonymous(worker.pid)
-        if freed + RECYCLE_SLACK_BYTES < grown:
+        outlived = [pid for pid, _ in filter(lifeline.lives, started)]
+        if outlived:  # multiprocessing's fork server, say: what it holds goes only with the pack
+            await self.repacker.recycle(
+                pack, f"processes the load of {model_id} started outlived it: {outlived}"
+            )
+        elif freed + RECYCLE_SLACK_BYTES < grown:
             reason = f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
             await self.repacker.recycle(pack, reason)
 
@@ -389,9 +376,18 @@ class Packs:
         pack.members.clear()
         pack.charged.clear()
         pack.growth_charged.clear()
+        pack.started.clear()
         return models
 
 
-def _cost_and_processes_below(pid: int | None) -> tuple[int, bool]:
-    """What pack `pid` costs (memory.cost_or_zero), and whether processes run below it."""
-    return memory.cost_or_zero(pid), pid is not None and bool(lifeline.descendants(pid))
+def _cost_and_processes_below(pid: int | None) -> tuple[int, set[Identity]]:
+    """What pack `pid` costs (memory.cost_or_zero), and the processes that run below it."""
+    return memory.cost_or_zero(pid), _processes_below(pid)
+
+
+def _processes_below(pid: int | None) -> set[Identity]:
+    """The processes below pack `pid`, each named for good (a pid may be reused)."""
+    if pid is None:
+        return set()
+    below = (lifeline.process_identity(child) for child in lifeline.descendants(pid))
+    return {identity for identity in below if identity is not None}

@@ -46,7 +46,8 @@ from runtime.worker import KillCause, Worker
 from workers import formats
 
 if TYPE_CHECKING:
-    from runtime.packs import Pack, Packs
+    from runtime.pack import Pack
+    from runtime.packs import Packs
 
 log = logging.getLogger("mesh.packs")
 

@@ -44,7 +44,8 @@ from runtime.tasks import to_the_end
 from runtime.worker import calls_answered
 
 if TYPE_CHECKING:
-    from runtime.packs import Pack, Packs
+    from runtime.pack import Pack
+    from runtime.packs import Packs
 
 log = logging.getLogger("mesh.packs")
 

@@ -178,7 +178,7 @@ VARIABLES: tuple[Variable, ...] = (
         4 * 2**20,
         "a model goes into a pack when its predicted size without the format's floor (bytes on disk x "
         "MODELSIZE_MULTIPLIER) is below this, and leaves it for a worker of its own when its load "
-        "adds more",
+        "adds more (or leaves processes running)",
         parse.at_least(1),
     ),
     Variable(

@@ -7,8 +7,9 @@ import asyncio
 import collections
 import types
 
-from runtime import packs, status
+from runtime import status
 from runtime.model import ModelState
+from runtime.pack import Pack
 from runtime.replicas import ReplicaSet
 from runtime.worker import WorkerState
 
@@ -105,7 +106,7 @@ def ready_model(model_id: str):
     )
 
 
-def holding(pack: packs.Pack, *models) -> None:
+def holding(pack: Pack, *models) -> None:
     for model in models:
         pack.members[model.model_id] = model
         pack.charged[model.model_id], pack.growth_charged[model.model_id] = 100, 50

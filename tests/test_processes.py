@@ -22,9 +22,9 @@ from plumbing import lifeline, priority, titles
 from runtime import forkserver
 from runtime.worker import KillCause, Worker
 
-# Packs of 4 that keep models whose helpers hold more than MODEL_PACK_MAX_BYTES's default: what a
-# model's processes hold is in its size, so a model with helpers would leave for a worker of its own.
-IN_PACKS = {"MODELS_PER_WORKER": "4", "MODEL_PACK_MAX_BYTES": str(64 * 2**20)}
+# Packs of 4 under a limit that the helpers' memory stays under: what moves a model with helpers out of
+# its pack, to a worker of its own, is then its processes, not its size.
+HELPERS_FIT = {"MODELS_PER_WORKER": "4", "MODEL_PACK_MAX_BYTES": str(64 * 2**20)}
 
 
 def test_sigterm_reaps_every_process_and_removes_runtime_dir():
@@ -328,13 +328,14 @@ def test_only_a_recycled_pack_is_made_idle_work_before_its_sigkill(cause):
 
 # A model whose load starts helper processes: one by multiprocessing's fork, one by subprocess, and
 # when told to, one that leaves its worker's process group and stops dying with its parent, as a
-# daemon would, and one that leaves it below a shell the model started. Each pid is in the folder.
+# daemon would, and one that leaves it below a shell the model started. Each pid is in the folder, a
+# line per load.
 HELPERS_MODEL = """
     import ctypes, multiprocessing, os, subprocess, time
 
     def note(path, name, pid):
-        with open(os.path.join(path, name), "w") as f:
-            f.write(str(pid))
+        with open(os.path.join(path, name), "a") as f:
+            f.write(f"{pid}\\n")
 
     class Model:
         def __init__(self, path):
@@ -352,8 +353,9 @@ HELPERS_MODEL = """
                     os._exit(0)
                 note(path, "escaped.pid", pid)
                 below = os.path.join(path, "grandchild.pid")
-                self.shell = subprocess.Popen(["sh", "-c", f"setsid sleep 600 & echo $! > {below}; wait"])
-                while not os.path.exists(below) or not open(below).read().strip():
+                written = open(below).read() if os.path.exists(below) else ""
+                self.shell = subprocess.Popen(["sh", "-c", f"setsid sleep 600 & echo $! >> {below}; wait"])
+                while not os.path.exists(below) or open(below).read().count("\\n") == written.count("\\n"):
                     time.sleep(0.01)
             if os.path.exists(os.path.join(path, "fail")):
                 raise RuntimeError("failed, its helpers started")
@@ -366,11 +368,12 @@ HELPERS_MODEL = """
 ALL_HELPERS = ("forked.pid", "executed.pid", "escaped.pid", "grandchild.pid")
 
 
-def _pids_in(folder: str, *names: str) -> list[int]:
+def _pids_in(folder: str, *names: str, load: int = -1) -> list[int]:
+    """The pids each file names, as the model's last load (or `load`, counted from 0) wrote them."""
     pids = []
     for name in names:
         with open(os.path.join(folder, name)) as f:
-            pids.append(int(f.read()))
+            pids.append(int(f.read().split()[load]))
     return pids
 
 
@@ -390,19 +393,21 @@ def test_what_a_model_started_ends_with_its_worker():
         wait_until(lambda: not alive(helpers), timeout=10, what="the helpers of a killed worker to end")
 
 
-def test_what_a_packed_model_started_loading_ends_with_its_unload_and_its_pack_serves_on():
-    with Runtime(**IN_PACKS) as runtime:
+def test_a_packed_model_whose_load_starts_processes_moves_out_and_what_it_started_in_its_pack_ends():
+    with Runtime(**HELPERS_FIT) as runtime:
         runtime.load("neighbour", runtime.model_dir("neighbour"))
         folder = runtime.model_dir("helped", HELPERS_MODEL)
         open(os.path.join(folder, "escape"), "w").close()
         runtime.load("helped", folder)
-        helpers = _pids_in(folder, *ALL_HELPERS)
-        pack = psutil.Process(psutil.Process(helpers[0]).ppid())
-        assert psutil.Process(helpers[1]).ppid() == pack.pid
-        assert "mesh-runtime pack models=2" in " ".join(pack.cmdline())
+        in_the_pack = _pids_in(folder, *ALL_HELPERS, load=0)
+        assert all(map(_ended, in_the_pack)), "they are dead by the time loadModel returns"
+        helpers = _pids_in(folder, *ALL_HELPERS)  # started by its load in a worker of its own
+        assert psutil.Process(helpers[1]).ppid() == runtime.worker_for("helped").pid
+        (pack,) = runtime.packs()
+        assert "mesh-runtime pack models=1" in " ".join(pack.cmdline())
+        assert runtime.infer_fp32("neighbour", [1.0]).outputs and runtime.infer_fp32("helped", [1.0]).outputs
         runtime.unload("helped")
-        assert all(map(_ended, helpers)), "they are dead by the time unloadModel returns"
-        assert pack.is_running() and runtime.infer_fp32("neighbour", [1.0]).outputs
+        wait_until(lambda: all(map(_ended, helpers)), timeout=10, what="its helpers to end with its worker")
         folder = runtime.model_dir("failing", HELPERS_MODEL)
         open(os.path.join(folder, "fail"), "w").close()
         expect_status(grpc.StatusCode.FAILED_PRECONDITION, runtime.load, "failing", folder)
@@ -420,8 +425,8 @@ FORKSERVER_HELPER_MODEL = """
             context = multiprocessing.get_context("forkserver")
             self.helper = context.Process(target=time.sleep, args=(600,), daemon=True)
             self.helper.start()
-            with open(os.path.join(path, "helper.pid"), "w") as f:
-                f.write(str(self.helper.pid))
+            with open(os.path.join(path, "helper.pid"), "a") as f:
+                f.write(f"{self.helper.pid}\\n")
 
         def predict(self, inputs):
             if not self.helper.is_alive():
@@ -430,18 +435,20 @@ FORKSERVER_HELPER_MODEL = """
 """
 
 
-def test_unloading_the_packed_model_that_started_multiprocessings_fork_server_spares_the_others_helpers():
-    with Runtime(**IN_PACKS) as runtime:
-        runtime.load("first", runtime.model_dir("first", FORKSERVER_HELPER_MODEL))
-        folder = runtime.model_dir("second", FORKSERVER_HELPER_MODEL)
-        runtime.load("second", folder)
-        (helper,) = _pids_in(folder, "helper.pid")
-        try:
-            runtime.unload("first")  # the fork server is the pack's, not its: it stays
-            assert not _ended(helper) and runtime.infer_fp32("second", [1.0]).outputs
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(helper, signal.SIGKILL)
+def test_a_packed_model_whose_load_starts_multiprocessings_fork_server_leaves_nothing_in_its_pack():
+    # The fork server outlives the model's drop, and its helper with it (the fork server's child,
+    # not the model's): the pack is recycled, its neighbour moved to a fresh one.
+    with Runtime(**HELPERS_FIT) as runtime:
+        runtime.load("neighbour", runtime.model_dir("neighbour"))
+        old_pack = runtime.packs()[0].pid
+        folder = runtime.model_dir("forking", FORKSERVER_HELPER_MODEL)
+        runtime.load("forking", folder)
+        (in_the_pack,) = _pids_in(folder, "helper.pid", load=0)
+        assert _ended(in_the_pack)
+        (pack,) = runtime.packs()
+        assert pack.pid != old_pack and not pack.children()
+        assert "processes the load of forking started outlived it" in runtime.log()
+        assert runtime.infer_fp32("neighbour", [1.0]).outputs and runtime.infer_fp32("forking", [1.0]).outputs
 
 
 def _ended(pid: int) -> bool:
@@ -455,7 +462,7 @@ def _ended(pid: int) -> bool:
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
 @pytest.mark.parametrize("per_worker", ["1", "4"])
 def test_what_models_started_ends_with_the_front_even_what_left_its_workers_group(stop, per_worker):
-    runtime = Runtime(**(IN_PACKS if per_worker == "4" else {})).start()
+    runtime = Runtime(**(HELPERS_FIT if per_worker == "4" else {})).start()
     folder = runtime.model_dir("escaping", HELPERS_MODEL)
     open(os.path.join(folder, "escape"), "w").close()  # one helper leaves the group (setsid)
     runtime.load("escaping", folder)
@@ -512,10 +519,12 @@ POOL_MODEL = """
 """
 
 
-@pytest.mark.parametrize("settings", [{"MODELS_PER_WORKER": "8"}, IN_PACKS], ids=["moves-out", "stays"])
+@pytest.mark.parametrize(
+    "settings", [{"MODELS_PER_WORKER": "8"}, HELPERS_FIT], ids=["outgrows", "has-processes"]
+)
 def test_a_packed_model_holding_a_pool_is_dropped_and_its_pack_serves_on(settings):
     # Its pool's workers killed first, the pool's finalizer waited for ever on the lock one of them
-    # held, and the pack with it: its load (moving out of the pack) or its unload timed out.
+    # held, and the pack with it: its load, moving out of the pack, timed out.
     with Runtime(**settings) as runtime:
         runtime.load("neighbour", runtime.model_dir("neighbour"))
         folder = runtime.model_dir("pooled", POOL_MODEL)

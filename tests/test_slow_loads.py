@@ -21,6 +21,7 @@ BASE = 4 * 2**20
 def quick_stand_ins(monkeypatch):
     monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
     monkeypatch.setattr(memory, "cost_or_zero", lambda pid: MEASURED)
+    monkeypatch.setattr(packs, "_processes_below", lambda pid: set())  # stand-ins have no processes
     monkeypatch.setattr(memory, "FRONT_SHARE_BYTES", 0)
     monkeypatch.setattr(slowloads, "SLOW_LOAD_SECONDS", 0.05)
 
@@ -48,7 +49,7 @@ def test_the_others_move_out_while_a_load_runs_long_and_the_pack_is_left_to_it()
         loading = asyncio.create_task(pack_set.load(slow, avoid=[]))
         await until(lambda: pack_set.of(fresh) is not None and pack_set.of(fresh).open)
         moved_while_loading = not loading.done()
-        worker, reply, size = await loading
+        worker, reply, size, _ = await loading
         return pack_set, old, fresh, recycles, moved_while_loading, worker, reply, size
 
     pack_set, old, fresh, recycles, moved_while_loading, worker, reply, size = asyncio.run(scenario())
@@ -67,7 +68,7 @@ def test_where_no_fresh_pack_can_be_had_the_others_stay_and_the_pack_takes_model
     async def scenario():
         pack_set, pool, old, recycles = pack_of_two()  # no spare, as at WORKERS_MAX
         slow = ready_model("slow")
-        _, reply, size = await pack_set.load(slow, avoid=[])
+        _, reply, size, _ = await pack_set.load(slow, avoid=[])
         return old, recycles, reply, size
 
     old, recycles, reply, size = asyncio.run(scenario())
@@ -135,7 +136,7 @@ def test_a_load_placed_in_the_pack_before_the_move_goes_elsewhere_without_waitin
         # No spare is ready and the one pack with room is loading: "next" waits for its lock.
         following = asyncio.create_task(pack_set.load(ready_model("next"), avoid=[]))
         await until(lambda: "next" in old.members)
-        worker, reply, _ = await following
+        worker, reply, _, _ = await following
         return worker, reply, slow.done(), old, await slow
 
     worker, reply, slow_done, old, _ = asyncio.run(scenario())
@@ -212,7 +213,7 @@ def test_a_pack_whose_other_models_could_not_all_move_out_stays_a_pack_that_take
         fresh = StandInWorker("F", WorkerState.SPARE)
         pack_set, pool, old, _ = pack_of_two(fresh)
         fresh.refused = {"b"}  # its files are gone
-        _, _, size = await pack_set.load(ready_model("slow"), avoid=[])
+        _, _, size, _ = await pack_set.load(ready_model("slow"), avoid=[])
         return old, pack_set.of(fresh), size
 
     old, fresh_pack, size = asyncio.run(scenario())
@@ -228,7 +229,7 @@ def test_at_the_worker_cap_the_others_wait_for_the_load_and_no_worker_is_taken()
         fresh = StandInWorker("F", WorkerState.SPARE)
         pack_set, pool, old, recycles = pack_of_two(fresh)
         pool.cap_reached = True  # a spare is there, but no other worker may start after it
-        _, reply, _ = await pack_set.load(ready_model("slow"), avoid=[])
+        _, reply, _, _ = await pack_set.load(ready_model("slow"), avoid=[])
         return pool, old, recycles, reply
 
     pool, old, recycles, reply = asyncio.run(scenario())
@@ -259,7 +260,7 @@ def test_a_model_whose_own_load_ran_long_stays_behind_and_the_pack_takes_models_
         pack_set, pool, old, _ = pack_of_two(fresh)
         a, b = old.members["a"], old.members["b"]
         a.loads_slowly = True  # loaded again, it would keep b's calls from switching until it was in
-        _, reply, _ = await pack_set.load(ready_model("slow"), avoid=[])
+        _, reply, _, _ = await pack_set.load(ready_model("slow"), avoid=[])
         return pool, old, fresh, a, b, reply
 
     pool, old, fresh, a, b, reply = asyncio.run(scenario())

@@ -1,0 +1,55 @@
+"""One pack's records: the worker, the models placed in it, what each is charged, its state.
+
+What goes into a pack, and how its loads and drops are measured, is
+runtime/packs.py; moves between packs are runtime/repacking.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from runtime.model import Model
+from runtime.worker import Worker
+
+# How long a model just loaded is taken to wait for its first call, when none comes.
+FIRST_CALL_WAIT_SECONDS = 1.0
+
+# A process, named for good: (pid, start time), as plumbing/lifeline.py process_identity() gives.
+Identity = tuple[int, int]
+
+
+class Pack:
+    def __init__(self, worker: Worker, format_name: str):
+        self.worker = worker
+        self.format_name = format_name  # a pack holds models of one format
+        self.members: dict[str, Model] = {}  # placed here: loading or loaded
+        self.charged: dict[str, int] = {}  # loaded: model id -> its reported size
+        self.growth_charged: dict[str, int] = {}  # loaded: model id -> the part of its size not base
+        self.grown: dict[str, int] = {}  # loaded: model id -> what its load added, measured
+        # loaded: model id -> the processes its load left running below the pack, if any
+        self.started: dict[str, set[Identity]] = {}
+        self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
+        self.open = True  # takes new models; False once it is recycled, emptied, dead or left to a load
+        self.abandoned = False  # a load was given up while the pack may still run it
+        self.left_to: Model | None = None  # its others moved out while this one's load ran long
+        self.left_behind: set[str] = set()  # ids of models that moved out, still held until that load is in
+        self.left = asyncio.Event()  # set once it is left to that load
+        self.base_bytes = 0  # what it cost once it rehearsed its first load, its share of the front included
+        self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
+        self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
+        self.last_loaded_at = 0.0
+
+    def give_up_load(self) -> None:
+        """A load was given up on while the pack may still run it: no other load goes there
+        meanwhile (it would wait that load out), and the model's unload recycles the pack."""
+        self.abandoned = True
+        self.open = False
+
+    def preference(self, now: float) -> tuple[bool, bool, int]:
+        """Packs that take a model sort by this: free of loads, then of first calls due, then fullest."""
+        return (not self.lock.locked(), not self.awaits_first_call(now), len(self.members))
+
+    def awaits_first_call(self, now: float) -> bool:
+        """Its last model is just loaded and yet to be called: a load sent now would delay that call."""
+        last = self.last_loaded
+        return last is not None and not last.called and now - self.last_loaded_at < FIRST_CALL_WAIT_SECONDS
