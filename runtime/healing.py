@@ -159,10 +159,10 @@ class Healer:
 
     async def _reload_into_a_pack(self, model: Model) -> None:
         reply: dict = {"ok": False, "message": "the reload did not finish"}
-        worker = None
+        worker, started = None, False
         try:
             async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
-                worker, reply, _, _ = await self.packs.load(model, avoid=model.workers)
+                worker, reply, _, started = await self.packs.load(model, avoid=model.workers)
         except status.RpcError as error:  # WORKERS_MAX: no process to heal into
             reply = {"ok": False, "message": error.message}
         except (PeerGone, TimeoutError):
@@ -176,6 +176,15 @@ class Healer:
             model.workers.append(worker)
             model.replicas.add(worker)
             log.info("healed %s: %r serves it", model.model_id, worker, extra={"model_id": model.model_id})
+            if started:  # its size stands as it was reported: only its next loadModel can change it
+                self.packs.note_left(model.spec)
+                log.warning(
+                    "%s left processes running below %r as it reloaded: measured in the pack, it may "
+                    "be more than its size; its next load gives it a worker of its own",
+                    model.model_id,
+                    worker,
+                    extra={"model_id": model.model_id},
+                )
             return
         await self.packs.remove(model, keep=model.workers)
         if model.ready and self._crash_limit_reached(model):

@@ -7,6 +7,7 @@ runtime/packs.py; moves between packs are runtime/repacking.py.
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 from runtime.model import Model
 from runtime.worker import Worker
@@ -53,3 +54,13 @@ class Pack:
         """Its last model is just loaded and yet to be called: a load sent now would delay that call."""
         last = self.last_loaded
         return last is not None and not last.called and now - self.last_loaded_at < FIRST_CALL_WAIT_SECONDS
+
+
+class PackedLoad(NamedTuple):
+    worker: Worker  # the pack's
+    reply: dict  # the pack's reply to the load
+    size: int  # what the model is charged there; 0 if the load failed
+    # Its load left processes running below the pack: the pages it shares with them, and those of
+    # its neighbours a forked child keeps, are in no measure of the pack (runtime/supervisor.py
+    # moves such a model to a worker of its own, measured as a tree there).
+    started_processes: bool

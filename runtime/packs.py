@@ -49,17 +49,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import NamedTuple
 
 from plumbing import lifeline
 from runtime import forkserver, memory, repacking, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
-from runtime.pack import Identity, Pack
+from runtime.pack import Pack, PackedLoad
 from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
+from runtime.tasks import to_the_end
 from runtime.worker import KillCause, Worker, calls_answered
 from workers import formats
 
@@ -86,19 +86,12 @@ PACKED_PREDICTION_MIN_BYTES = 256 * 1024
 PREDICTED_BASE_PER_FLOOR = 2
 # Packs of one format taking models at once: model-mesh loads two models at a time by default.
 FILLING_PACKS_MAX = 2
+# Models that left a pack for workers of their own, remembered (by id and path) so that their next
+# load goes there at once: a pack first would run their load twice. The oldest forgotten past this.
+LEFT_PACKS_MAX = 4096
 # How long an unload lets the model's calls under way in its pack run before it drops the model
 # (as long as a worker of its own gets between SIGTERM and SIGKILL).
 CALLS_GRACE_SECONDS = 2.0
-
-
-class PackedLoad(NamedTuple):
-    worker: Worker  # the pack's
-    reply: dict  # the pack's reply to the load
-    size: int  # what the model is charged there; 0 if the load failed
-    # Its load left processes running below the pack: the pages it shares with them, and those of
-    # its neighbours a forked child keeps, are in no measure of the pack (runtime/supervisor.py
-    # moves such a model to a worker of its own, measured as a tree there).
-    started_processes: bool
 
 
 class Packs:
@@ -109,16 +102,27 @@ class Packs:
         self._packs: dict[Worker, Pack] = {}
         self.on_recycle = on_recycle
         self.repacker = Repacker(self)
+        self._left: dict[tuple[str, str], None] = {}  # LEFT_PACKS_MAX
 
     def accepts(self, spec: ModelSpec) -> bool:
         """Whether the model goes into a pack: a small one whose framework the fork servers preload.
         A pack's first model of another would import it there, tens of MiB of base that no size
         holds and capacity does not hold back; in a worker of its own, its size holds the import.
         Not a custom model with modules of its own (ModelSpec.brings_modules)."""
-        if not self.packs_format(spec.format) or spec.brings_modules:
+        if (
+            not self.packs_format(spec.format)
+            or spec.brings_modules
+            or (spec.model_id, spec.path) in self._left
+        ):
             return False
         estimate = spec.disk_bytes * self.settings.modelsize_multiplier
         return self.settings.models_per_worker > 1 and estimate < self.settings.model_pack_max_bytes
+
+    def note_left(self, spec: ModelSpec) -> None:
+        """The model left its pack for a worker of its own: its next load goes there at once."""
+        self._left[spec.model_id, spec.path] = None
+        if len(self._left) > LEFT_PACKS_MAX:
+            del self._left[next(iter(self._left))]
 
     def packs_format(self, fmt: formats.Format) -> bool:
         """Whether models of `fmt` may go into packs: python's, and those of preloaded frameworks."""
@@ -203,11 +207,12 @@ class Packs:
     async def _load_into(self, pack: Pack, model: Model) -> tuple[dict, int]:
         """Holding the pack's lock: load, measured from outside before and after."""
         worker = pack.worker
+        rehearsed: list = []  # what the rehearsal left running (multiprocessing's fork server, say)
         if not pack.base_bytes:
             reply = await self.rehearse(pack, model)
             if not reply["ok"]:
                 return await self._failed(pack, model, reply, left=0)
-        running = await asyncio.to_thread(_processes_below, worker.pid)
+            rehearsed = reply.get("processes", [])
         before = memory.anonymous(worker.pid)
         reply = await slowloads.send_load_beside_others(self, pack, model)
         if reply["ok"]:
@@ -219,10 +224,13 @@ class Packs:
             return await self._failed(pack, model, reply, left=added)
         pack.grown[model.model_id] = max(0, added)
         measured, below = await asyncio.to_thread(_cost_and_processes_below, worker.pid)
-        if below - running:
-            pack.started[model.model_id] = below - running
+        # As the pack tells them: a diff of the processes below it would blame this load for what
+        # its neighbours' threads started meanwhile.
+        started = {(pid, begun) for pid, begun in [*rehearsed, *reply.get("processes", ())]}
+        if running := set(filter(lifeline.lives, started)):
+            pack.started[model.model_id] = running
         pack.last_loaded, pack.last_loaded_at = model, time.monotonic()
-        return reply, self._charge(pack, model.model_id, measured, bool(below))
+        return reply, self._charge(pack, model.model_id, measured, below)
 
     async def rehearse(self, pack: Pack, model: Model) -> dict:
         """A new pack loads its first model once and drops it before the load that counts.
@@ -298,14 +306,21 @@ class Packs:
             )
             if pack is None:
                 return
-            async with pack.lock:
-                if pack.worker in keep:  # a move switched the model's calls there meanwhile: it stays
-                    continue
-                if model.model_id in pack.members and pack in self._packs.values():
-                    await self._take_out(pack, model)
-                else:
-                    pack.members.pop(model.model_id, None)
-            await self.repacker.compact(pack.format_name)
+            # To its end even if the caller is cancelled (a load moving the model out, say): cut
+            # short, the drop's checks would not run, and what the model left would stay.
+            if await to_the_end(self._take_out_locked(pack, model, keep)):
+                await self.repacker.compact(pack.format_name)
+
+    async def _take_out_locked(self, pack: Pack, model: Model, keep: list[Worker] | tuple) -> bool:
+        """remove() in one pack; whether the pack's format may be compacted after."""
+        async with pack.lock:
+            if pack.worker in keep:  # a move switched the model's calls there meanwhile: it stays
+                return False
+            if model.model_id in pack.members and pack in self._packs.values():
+                await self._take_out(pack, model)
+            else:
+                pack.members.pop(model.model_id, None)
+        return True
 
     async def move_ended(self, model: Model) -> None:
         """Returns once no recycle or compaction is moving the model."""
@@ -380,14 +395,6 @@ class Packs:
         return models
 
 
-def _cost_and_processes_below(pid: int | None) -> tuple[int, set[Identity]]:
-    """What pack `pid` costs (memory.cost_or_zero), and the processes that run below it."""
-    return memory.cost_or_zero(pid), _processes_below(pid)
-
-
-def _processes_below(pid: int | None) -> set[Identity]:
-    """The processes below pack `pid`, each named for good (a pid may be reused)."""
-    if pid is None:
-        return set()
-    below = (lifeline.process_identity(child) for child in lifeline.descendants(pid))
-    return {identity for identity in below if identity is not None}
+def _cost_and_processes_below(pid: int | None) -> tuple[int, bool]:
+    """What pack `pid` costs (memory.cost_or_zero), and whether processes run below it."""
+    return memory.cost_or_zero(pid), pid is not None and bool(lifeline.descendants(pid))

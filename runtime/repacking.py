@@ -63,8 +63,7 @@ _MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 # How often the drain looks: the unload that set the recycle off waits for its last call.
 DRAIN_CHECK_SECONDS = 0.001
 
-# What each model moving is charged in the pack it leaves: (its size, the part that is growth, what
-# its load added), by model id.
+# By model id, what each model moving is charged in the pack it leaves: (size, growth, load added).
 Charges = dict[str, tuple[int, int, int]]
 
 

@@ -270,6 +270,7 @@ class Supervisor:
         log.info(
             "%s %s: it moves to a worker of its own", model.model_id, why, extra={"model_id": model.model_id}
         )
+        self.packs.note_left(model.spec)
         await self.packs.remove(model)
         model.workers.clear()
         model.packed = False
@@ -333,12 +334,13 @@ class Supervisor:
         if model.state is ModelState.UNLOADING:
             return
         model.change_state(ModelState.UNLOADING)
-        for task in (model.load_task, model.heal_task):
-            if task is not None and not task.done():
-                task.cancel()
+        # Gone once they end too: cancelled in a pack's drop, one runs that drop to its end.
+        endings: list[asyncio.Future] = [t for t in (model.load_task, model.heal_task) if t and not t.done()]
+        for task in endings:
+            task.cancel()
         model.replicas.fail_line(status.model_not_found(model.model_id))
         own = [w for w in model.workers if w.alive and not w.packed]
-        endings: list[asyncio.Future] = [w.exited for w in own]
+        endings += [w.exited for w in own]
         if model.packed:
             endings.append(asyncio.ensure_future(self.packs.remove(model)))
         for worker in own:

@@ -19,7 +19,6 @@ from runtime.worker import WorkerState
 def memory_of_stand_ins(monkeypatch):
     monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
     monkeypatch.setattr(memory, "cost_or_zero", lambda pid: 1000)
-    monkeypatch.setattr(packs, "_processes_below", lambda pid: set())  # stand-ins have no processes
 
 
 def test_a_compaction_does_not_move_a_model_into_a_pack_a_heal_is_loading_it_into():

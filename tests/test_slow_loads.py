@@ -21,7 +21,6 @@ BASE = 4 * 2**20
 def quick_stand_ins(monkeypatch):
     monkeypatch.setattr(memory, "anonymous", lambda pid: 0)
     monkeypatch.setattr(memory, "cost_or_zero", lambda pid: MEASURED)
-    monkeypatch.setattr(packs, "_processes_below", lambda pid: set())  # stand-ins have no processes
     monkeypatch.setattr(memory, "FRONT_SHARE_BYTES", 0)
     monkeypatch.setattr(slowloads, "SLOW_LOAD_SECONDS", 0.05)
 

@@ -48,6 +48,8 @@ from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
 
+Identity = tuple[int, int]  # a process named for good: lifeline.process_identity()
+
 
 @dataclasses.dataclass
 class Held:
@@ -56,7 +58,7 @@ class Held:
     model: Any
     batches_rows: bool  # its format predicts rows independently, and batching is on
     # In a pack: the processes its load started (lifeline.process_identity), ended with its drop.
-    helpers: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    helpers: list[Identity] = dataclasses.field(default_factory=list)
 
 
 class Holdings:
@@ -91,7 +93,7 @@ class Holdings:
         self._title(extra=model_id)
         started = time.monotonic()
         try:
-            model, helpers = self._load(header["format"], header["path"])
+            model, helpers, servers = self._load(header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             log.warning(
                 "load of %s failed: %s: %s",
@@ -108,6 +110,8 @@ class Holdings:
         batches_rows = fmt.batches_rows and self.batch_max > 1
         self.by_id[model_id] = Held(model_id, fmt.name, model, batches_rows, helpers)
         self._after_change()
+        # What the front must know to measure it right: only a worker of its own can (runtime/packs.py).
+        running = [list(identity) for identity in [*helpers, *servers] if lifeline.lives(identity)]
         log.info(
             "loaded %s (%s) in %.1f ms",
             model_id,
@@ -115,15 +119,15 @@ class Holdings:
             (time.monotonic() - started) * 1000,
             extra={"model_id": model_id},
         )
-        return [protocol.reply(request_id)]
+        return [protocol.reply(request_id, processes=running) if running else protocol.reply(request_id)]
 
-    def _load(self, format_name: str, path: str) -> tuple[Any, list[tuple[int, int]]]:
+    def _load(self, format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
         """The loaded model. In a pack: on the idle loader thread where the format allows it, else
         on this thread, giving way to other threads while a custom model loads (see above). With
         the processes it started, in a pack (_noting_helpers)."""
         fmt = formats.by_name(format_name)
         if not self.packed or fmt is None:
-            return formats.load(format_name, path), []
+            return formats.load(format_name, path), [], []
         if formats.pack_loads_at_idle_priority(fmt, self.threads):
             if self._idle_loader is None:
                 self._idle_loader = concurrent.futures.ThreadPoolExecutor(
@@ -138,7 +142,7 @@ class Holdings:
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
         held = self.by_id.pop(model_id, None)
-        helpers: list[tuple[int, int]] = []
+        helpers: list[Identity] = []
         if held is not None:
             try:
                 held.model.close()
@@ -175,21 +179,24 @@ class Holdings:
             titles.set_title(f"pack models={len(names)}")
 
 
-def _noting_helpers(format_name: str, path: str) -> tuple[Any, list[tuple[int, int]]]:
-    """A pack's load of a model, and the processes this thread started during it (its helpers,
-    for its drop to kill: a pack ends only when its last model goes). A failed load's helpers
-    are killed at once. The thread that loads is the one read: /proc lists a child under the
-    thread that forked it, and reading one thread's list costs a tenth of reading every one."""
+def _noting_helpers(format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
+    """A pack's load of a model, the processes this thread started during it (its helpers, for
+    its drop to kill: a pack ends only when its last model goes), and the multiprocessing
+    servers it started (the pack's from then on). A failed load's helpers are killed at once.
+    The thread that loads is the one read: /proc lists a child under the thread that forked it,
+    and reading one thread's list costs a tenth of reading every one."""
     before = lifeline.children(of_this_thread=True)
+    servers = _multiprocessing_servers()
     try:
         model = formats.load(format_name, path, shared=True)
     except BaseException:
         lifeline.end_children(_started_since(before))
         raise
-    return model, _started_since(before)
+    started = (lifeline.process_identity(pid) for pid in _multiprocessing_servers() - servers)
+    return model, _started_since(before), [identity for identity in started if identity is not None]
 
 
-def _started_since(before: set[int]) -> list[tuple[int, int]]:
+def _started_since(before: set[int]) -> list[Identity]:
     new = lifeline.children(of_this_thread=True) - before - _multiprocessing_servers()
     started = (lifeline.process_identity(pid) for pid in new)
     return [identity for identity in started if identity is not None]
