@@ -27,17 +27,14 @@ capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
 
 What a load added and what a drop gave back are read from the pack's
 anonymous pages (memory.anonymous(), cheap). A pack that did not shrink by
-what the model's load added, less RECYCLE_SLACK_BYTES, is recycled before
-the unload returns, and so is one that may still run an abandoned load
-(cancelled, timed out) or a failed load that left memory behind; after an
-unload, a format's emptiest pack may be compacted into the others
-(runtime/repacking.py).
-
-A model whose load leaves processes running below its pack moves to a worker
-of its own (runtime/supervisor.py): what it shares with them, and its
-neighbours' pages a child it forked keeps, are in no measure of the pack, and
-a forked child would keep those pages after their unload. If any of them
-outlives its drop (multiprocessing's fork server, say), the pack is recycled.
+what the model's load added, less RECYCLE_SLACK_BYTES, is recycled before the
+unload returns, and so is one that may still run an abandoned load, a failed
+load that left memory behind, or what a load started (multiprocessing's fork
+server, threads) after its drop; after an unload, a format's emptiest pack may
+be compacted into the others (runtime/repacking.py). A model whose load leaves
+processes running moves to a worker of its own (runtime/supervisor.py): what
+it shares with them, and its neighbours' pages a child it forked keeps, are in
+no measure of the pack.
 
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the model whose code it was
@@ -327,11 +324,9 @@ class Packs:
         await self.repacker.move_ended(model)
 
     async def compact_all(self, format_name: str) -> None:
-        """Compacts the format's packs until their free places no longer hold a whole pack's models.
-
-        After a burst of loads at once (models healing from a dead pack), each load that found
-        every pack with room loading took a spare as a new pack: many packs of a model or two,
-        whose bases their models' sizes do not cover."""
+        """Compacts the format's packs until their free places no longer hold a whole pack's models:
+        after a burst of loads at once (a dead pack's models healing), each load that found every
+        pack with room loading took a spare as a new pack, whose base its models do not cover."""
         while await self.repacker.compact(format_name):
             pass
 
@@ -360,17 +355,10 @@ class Packs:
             return
         before = memory.anonymous(worker.pid)
         try:
-            await self.pool.send_drop(worker, model_id)
+            reply = await self.pool.send_drop(worker, model_id)
         except PeerGone:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
-        freed = before - memory.anonymous(worker.pid)
-        outlived = [pid for pid, _ in filter(lifeline.lives, started)]
-        if outlived:  # multiprocessing's fork server, say: what it holds goes only with the pack
-            await self.repacker.recycle(
-                pack, f"processes the load of {model_id} started outlived it: {outlived}"
-            )
-        elif freed + RECYCLE_SLACK_BYTES < grown:
-            reason = f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
+        if reason := _left_behind(model_id, reply, started, before - memory.anonymous(worker.pid), grown):
             await self.repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str) -> None:
@@ -393,6 +381,18 @@ class Packs:
         pack.growth_charged.clear()
         pack.started.clear()
         return models
+
+
+def _left_behind(model_id: str, reply: dict, started: set, freed: int, grown: int) -> str:
+    """Why its pack is recycled after the model's drop, if it is: what its load started runs on
+    (multiprocessing's fork server, threads), or the pack did not shrink by what it added."""
+    if outlived := [pid for pid, _ in filter(lifeline.lives, started)]:
+        return f"processes the load of {model_id} started outlived it: {outlived}"
+    if reply.get("threads"):
+        return f"{reply['threads']} threads the load of {model_id} started ran on after its drop"
+    if freed + RECYCLE_SLACK_BYTES < grown:
+        return f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
+    return ""
 
 
 def _cost_and_processes_below(pid: int | None) -> tuple[int, bool]:

@@ -202,3 +202,90 @@ def test_a_heal_that_leaves_processes_in_a_pack_says_so_and_the_next_load_moves_
         rt.unload("sometimes")
         rt.load("sometimes", folder)
         assert rt.worker_for("sometimes") is not None
+
+
+# Its calls run a job in a process of multiprocessing's forkserver context: the first one starts
+# that fork server in its pack.
+FORKSERVER_CALLER_MODEL = """
+    import multiprocessing, os
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            job = multiprocessing.get_context("forkserver").Process(target=os.getpid)
+            job.start()
+            job.join()
+            return dict(inputs)
+"""
+
+# Starts a helper through multiprocessing's fork server, and leaves it running when it is closed.
+FORKSERVER_LEAVER_MODEL = """
+    import multiprocessing, os, time
+
+    class Model:
+        def __init__(self, path):
+            self.helper = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(600,))
+            self.helper.start()
+            with open(os.path.join(path, "helper.pid"), "a") as f:
+                f.write(f"{self.helper.pid}\\n")
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_helper_forked_by_the_packs_running_fork_server_moves_its_model_out_and_ends_there():
+    # The helper is the fork server's child, not the loading thread's.
+    with Runtime(**PACKS_OF_4) as rt:
+        rt.load("caller", rt.model_dir("caller", FORKSERVER_CALLER_MODEL))
+        assert rt.infer_fp32("caller", [1.0]).outputs  # the pack's fork server runs from now on
+        folder = rt.model_dir("leaver", FORKSERVER_LEAVER_MODEL)
+        rt.load("leaver", folder)
+        with open(os.path.join(folder, "helper.pid")) as pids:
+            in_the_pack = int(pids.read().split()[0])
+        assert _ended(in_the_pack)
+        assert _moved_out(rt, "leaver")
+        assert rt.infer_fp32("caller", [1.0]).outputs and rt.infer_fp32("leaver", [1.0]).outputs
+
+
+# Starts a thread that runs on, whatever becomes of the model (a poller, say).
+THREAD_MODEL = """
+    import threading, time
+
+    class Model:
+        def __init__(self, path):
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+# Keeps a pool of threads, which end once the pool is freed.
+THREAD_POOL_MODEL = """
+    import concurrent.futures
+
+    class Model:
+        def __init__(self, path):
+            self.pool = concurrent.futures.ThreadPoolExecutor(2)
+            list(self.pool.map(abs, range(8)))
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_thread_that_runs_on_after_its_models_drop_ends_with_its_pack_recycled():
+    with Runtime(**PACKS_OF_4) as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        rt.load("pooled", rt.model_dir("pooled", THREAD_POOL_MODEL))
+        rt.unload("pooled")  # its threads end once it is freed
+        rt.load("threaded", rt.model_dir("threaded", THREAD_MODEL))
+        assert not _moved_out(rt, "threaded")
+        (pack,) = rt.packs()
+        rt.unload("threaded")
+        assert "1 threads the load of threaded started ran on after its drop" in rt.log()
+        assert not pack.is_running()
+        assert "threads the load of pooled" not in rt.log()
+        assert rt.infer_fp32("neighbour", [1.0]).outputs
