@@ -29,8 +29,8 @@ What a load added and what a drop gave back are read from the pack's
 anonymous pages (memory.anonymous(), cheap). A pack that did not shrink by
 what the model's load added, less RECYCLE_SLACK_BYTES, is recycled before the
 unload returns, and so is one that may still run an abandoned load, a failed
-load that left memory behind, or what a load started (multiprocessing's fork
-server, threads) after its drop; after an unload, a format's emptiest pack may
+load that left memory behind, or a process its load started (multiprocessing's
+fork server) after its drop; after an unload, a format's emptiest pack may
 be compacted into the others (runtime/repacking.py). A model whose load leaves
 processes running moves to a worker of its own (runtime/supervisor.py): what
 it shares with them, and its neighbours' pages a child it forked keeps, are in
@@ -355,10 +355,10 @@ class Packs:
             return
         before = memory.anonymous(worker.pid)
         try:
-            reply = await self.pool.send_drop(worker, model_id)
+            await self.pool.send_drop(worker, model_id)
         except PeerGone:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
-        if reason := _left_behind(model_id, reply, started, before - memory.anonymous(worker.pid), grown):
+        if reason := _left_behind(model_id, started, before - memory.anonymous(worker.pid), grown):
             await self.repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str) -> None:
@@ -383,13 +383,11 @@ class Packs:
         return models
 
 
-def _left_behind(model_id: str, reply: dict, started: set, freed: int, grown: int) -> str:
-    """Why its pack is recycled after the model's drop, if it is: what its load started runs on
-    (multiprocessing's fork server, threads), or the pack did not shrink by what it added."""
+def _left_behind(model_id: str, started: set, freed: int, grown: int) -> str:
+    """Why its pack is recycled after the model's drop, if it is: processes its load started run
+    on (multiprocessing's fork server), or the pack did not shrink by what it added."""
     if outlived := [pid for pid, _ in filter(lifeline.lives, started)]:
         return f"processes the load of {model_id} started outlived it: {outlived}"
-    if reply.get("threads"):
-        return f"{reply['threads']} threads the load of {model_id} started ran on after its drop"
     if freed + RECYCLE_SLACK_BYTES < grown:
         return f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
     return ""

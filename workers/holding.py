@@ -39,9 +39,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import logging
-import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -51,8 +49,6 @@ from workers import formats, protocol
 log = logging.getLogger("mesh.worker")
 
 Identity = tuple[int, int]  # a process named for good: lifeline.process_identity()
-# A load in a pack: the model; the processes, multiprocessing servers and Python threads it started.
-Loaded = tuple[Any, list[Identity], list[Identity], list[threading.Thread]]
 
 
 @dataclasses.dataclass
@@ -63,9 +59,6 @@ class Held:
     batches_rows: bool  # its format predicts rows independently, and batching is on
     # In a pack: the processes its load started (lifeline.process_identity), ended with its drop.
     helpers: list[Identity] = dataclasses.field(default_factory=list)
-    # In a pack: the Python threads its load started. One that runs on after its drop leaves the
-    # pack to be recycled: no thread can be ended from outside.
-    threads: list[threading.Thread] = dataclasses.field(default_factory=list)
 
 
 class Holdings:
@@ -100,7 +93,7 @@ class Holdings:
         self._title(extra=model_id)
         started = time.monotonic()
         try:
-            model, helpers, servers, threads = self._load(header["format"], header["path"])
+            model, helpers, servers = self._load(header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             log.warning(
                 "load of %s failed: %s: %s",
@@ -115,7 +108,7 @@ class Holdings:
         fmt = formats.by_name(header["format"])
         assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
         batches_rows = fmt.batches_rows and self.batch_max > 1
-        self.by_id[model_id] = Held(model_id, fmt.name, model, batches_rows, helpers, threads)
+        self.by_id[model_id] = Held(model_id, fmt.name, model, batches_rows, helpers)
         self._after_change()
         # What the front must know to measure it right: only a worker of its own can (runtime/packs.py).
         running = [list(identity) for identity in [*helpers, *servers] if lifeline.lives(identity)]
@@ -128,13 +121,13 @@ class Holdings:
         )
         return [protocol.reply(request_id, processes=running) if running else protocol.reply(request_id)]
 
-    def _load(self, format_name: str, path: str) -> Loaded:
+    def _load(self, format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
         """The loaded model. In a pack: on the idle loader thread where the format allows it, else
         on this thread, giving way to other threads while a custom model loads (see above). With
         the processes it started, in a pack (_noting_helpers)."""
         fmt = formats.by_name(format_name)
         if not self.packed or fmt is None:
-            return formats.load(format_name, path), [], [], []
+            return formats.load(format_name, path), [], []
         if formats.pack_loads_at_idle_priority(fmt, self.threads):
             if self._idle_loader is None:
                 self._idle_loader = concurrent.futures.ThreadPoolExecutor(
@@ -150,13 +143,12 @@ class Holdings:
         model_id = header["model_id"]
         held = self.by_id.pop(model_id, None)
         helpers: list[Identity] = []
-        threads: list[threading.Thread] = []
         if held is not None:
             try:
                 held.model.close()
             except BaseException:
                 log.exception("close() of %s raised", model_id, extra={"model_id": model_id})
-            helpers, threads = held.helpers, held.threads
+            helpers = held.helpers
             del held
         self._title()
         # The model's objects go first, and end what they started their own way: a multiprocessing
@@ -164,9 +156,6 @@ class Holdings:
         self._after_change(collect=True)
         lifeline.end_children(helpers)  # what is left, with its memory, before the front measures
         log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
-        if running := _still_running(threads):  # freed, a thread pool's threads end by themselves
-            log.warning("%d threads %s started run on after its drop", running, model_id)
-            return [protocol.reply(header["id"], threads=running)]
         return [protocol.reply(header["id"])]
 
     def close_all(self) -> None:
@@ -190,42 +179,25 @@ class Holdings:
             titles.set_title(f"pack models={len(names)}")
 
 
-def _noting_helpers(format_name: str, path: str) -> Loaded:
-    """A pack's load of a model, the processes it started (its helpers, for its drop to kill: a
-    pack ends only when its last model goes), and the multiprocessing servers it started (the
-    pack's from then on). Its helpers: this thread's new children, and those of the pack's
-    multiprocessing fork server, which forks what a model starts with its context once it runs.
-    A failed load's helpers are killed at once. The thread that loads is the one read: /proc
-    lists a child under the thread that forked it, and reading one thread's list costs a tenth
-    of reading every one."""
+def _noting_helpers(format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
+    """A pack's load of a model, the processes this thread started during it (its helpers, for
+    its drop to kill: a pack ends only when its last model goes), and the multiprocessing
+    servers it started (the pack's from then on). A failed load's helpers are killed at once.
+    The thread that loads is the one read: /proc lists a child under the thread that forked it,
+    and reading one thread's list costs a tenth of reading every one."""
+    before = lifeline.children(of_this_thread=True)
     servers = _multiprocessing_servers()
-    threads = set(threading.enumerate())
-    before = {pid: lifeline.children_of(pid) for pid in servers}  # the fork server's children
-    before[os.getpid()] = lifeline.children(of_this_thread=True)
     try:
         model = formats.load(format_name, path, shared=True)
     except BaseException:
         lifeline.end_children(_started_since(before))
         raise
     started = (lifeline.process_identity(pid) for pid in _multiprocessing_servers() - servers)
-    new_threads = [thread for thread in threading.enumerate() if thread not in threads]
-    return model, _started_since(before), [i for i in started if i is not None], new_threads
+    return model, _started_since(before), [identity for identity in started if identity is not None]
 
 
-def _still_running(threads: list[threading.Thread], wait_s: float = 0.1) -> int:
-    """How many of `threads` still run after up to `wait_s` in all for them to end."""
-    deadline = time.monotonic() + wait_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return sum(thread.is_alive() for thread in threads)
-
-
-def _started_since(before: dict[int, set[int]]) -> list[Identity]:
-    """What this thread, and the multiprocessing servers in `before`, started since it was read."""
-    new = lifeline.children(of_this_thread=True) - before[os.getpid()] - _multiprocessing_servers()
-    for server, children in before.items():
-        if server != os.getpid():
-            new |= lifeline.children_of(server) - children
+def _started_since(before: set[int]) -> list[Identity]:
+    new = lifeline.children(of_this_thread=True) - before - _multiprocessing_servers()
     started = (lifeline.process_identity(pid) for pid in new)
     return [identity for identity in started if identity is not None]
 
