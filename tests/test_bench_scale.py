@@ -47,7 +47,9 @@ def test_the_scale_benchmark_measures_a_few_python_models_from_outside(
     assert system["unload_all_s"] > 0 and abs(system["left_bytes"]) < 64 * MiB
     if system["method"].startswith("cgroup"):  # the part of what is left that is page cache
         assert abs(system["left_page_cache_bytes"]) <= abs(system["left_bytes"]) + 64 * MiB
+        assert all(step["reported_over_growth_without_cache"] > 0 for step in system["steps"])
     scale.print_report(figures)
     shown = capsys.readouterr().out
     assert "growth per model, MiB" in shown and "mesh-runtime python N=4" in shown
+    assert "reported / (growth less the page cache's change)" in shown
     assert "faults at N=4" in shown
