@@ -14,6 +14,9 @@ import signal
 import threading
 import time
 
+# A process named for good: (pid, start time in clock ticks), as process_identity() gives.
+Identity = tuple[int, int]
+
 FORKSERVER_PID_ENV = "MESH_FORKSERVER_PID"
 _PR_SET_PDEATHSIG = 1
 _PF_EXITING = 0x4  # a task's flag in /proc/PID/stat
@@ -142,7 +145,7 @@ def children_of(pid: int, thread: int | None = None) -> set[int]:
     return found
 
 
-def end_children(identities: list[tuple[int, int]], wait_s: float = 1.0) -> None:
+def end_children(identities: list[Identity], wait_s: float = 1.0) -> None:
     """SIGKILLs each child named by process_identity() that still runs, and every process below
     it, and waits up to `wait_s` until the children have exited (their memory back). Not reaped:
     the code that started them reaps them (multiprocessing and subprocess do, at their next
@@ -164,20 +167,20 @@ def forkserver_pid() -> int | None:
     return int(value) if value else None
 
 
-def process_identity(pid: int) -> tuple[int, int] | None:
+def process_identity(pid: int) -> Identity | None:
     """(pid, start time in clock ticks): names one process for good, where a pid may be reused."""
     fields = _stat_fields(pid)
     return (pid, int(fields[19])) if fields else None
 
 
-def is_running(identity: tuple[int, int] | list[int]) -> bool:
+def is_running(identity: Identity | list[int]) -> bool:
     """True while the process that `process_identity` named exists and is not a zombie."""
     pid, started = identity
     fields = _stat_fields(pid)
     return fields is not None and int(fields[19]) == started and fields[0] != "Z"
 
 
-def lives(identity: tuple[int, int]) -> bool:
+def lives(identity: Identity) -> bool:
     """is_running() and not is_exiting(): a process killed a moment ago is neither, from one read."""
     pid, started = identity
     fields = _stat_fields(pid)
@@ -189,7 +192,7 @@ def lives(identity: tuple[int, int]) -> bool:
     )
 
 
-def is_exiting(identity: tuple[int, int]) -> bool:
+def is_exiting(identity: Identity) -> bool:
     """Whether the process `process_identity` named has begun to exit, or is a zombie: the kernel
     flags it so before it tears its memory down, closes its files and signals its children's
     parent death."""

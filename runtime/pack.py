@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
+from plumbing.lifeline import Identity
 from runtime.model import Model
 from runtime.worker import Worker
 
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
-
-# A process, named for good: (pid, start time), as plumbing/lifeline.py process_identity() gives.
-Identity = tuple[int, int]
 
 
 class Pack:

@@ -383,7 +383,7 @@ class Packs:
         return models
 
 
-def _left_behind(model_id: str, started: set, freed: int, grown: int) -> str:
+def _left_behind(model_id: str, started: set[lifeline.Identity], freed: int, grown: int) -> str:
     """Why its pack is recycled after the model's drop, if it is: processes its load started run
     on (multiprocessing's fork server), or the pack did not shrink by what it added."""
     if outlived := [pid for pid, _ in filter(lifeline.lives, started)]:

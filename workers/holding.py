@@ -44,11 +44,10 @@ import time
 from typing import Any
 
 from plumbing import heap, lifeline, priority, titles, yielding
+from plumbing.lifeline import Identity
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
-
-Identity = tuple[int, int]  # a process named for good: lifeline.process_identity()
 
 
 @dataclasses.dataclass
