@@ -1,5 +1,7 @@
 """A record, in RUNTIME_DIR, of every process the front started, so that the
-next front on the same RUNTIME_DIR can kill whatever an earlier one left.
+next front on the same RUNTIME_DIR can kill whatever an earlier one left; and
+the shared-memory blocks a worker's models left, unlinked once it is reaped
+(plumbing/shmblocks.py), or by the next front if this one is killed first.
 
 Each process is a file `pids/<pid>` holding its start time: a pid alone could
 by now belong to an unrelated process, a pid with the same start time cannot.
@@ -17,7 +19,7 @@ import time
 
 import psutil
 
-from plumbing import titles
+from plumbing import shmblocks, titles
 
 log = logging.getLogger("mesh.leftovers")
 
@@ -31,6 +33,7 @@ class ProcessRegistry:
         self.runtime_dir = runtime_dir
         self.folder = os.path.join(runtime_dir, "pids")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        os.makedirs(shmblocks.records_folder(runtime_dir), mode=0o700, exist_ok=True)
 
     def add(self, pid: int) -> None:
         """Records a process just started. One that cannot be recorded (a full disk) runs on all the
@@ -51,10 +54,12 @@ class ProcessRegistry:
             )
 
     def remove(self, pid: int) -> None:
+        """Forgets a reaped process, and unlinks the shared-memory blocks its models left."""
         try:
             os.unlink(os.path.join(self.folder, str(pid)))
         except FileNotFoundError:
             pass
+        self._unlink_blocks_left(str(pid))
 
     def purge(self, wait_seconds: float = 5.0) -> list[int]:
         """SIGKILLs every recorded process that still runs and is ours to kill; returns their pids."""
@@ -76,7 +81,20 @@ class ProcessRegistry:
         stuck = [p.pid for p in survivors if _running(p)]
         if stuck:
             log.error("pids %s survived SIGKILL", stuck)
+        for name in os.listdir(shmblocks.records_folder(self.runtime_dir)):
+            self._unlink_blocks_left(name, by_earlier_front=True)
         return [p.pid for p in survivors]
+
+    def _unlink_blocks_left(self, pid: str, by_earlier_front: bool = False) -> None:
+        record = os.path.join(shmblocks.records_folder(self.runtime_dir), pid)
+        for name, size in shmblocks.unlink_recorded(record):
+            log.info(
+                "unlinked shared-memory block %s (%.1f MiB) that the models of %sworker pid %s left",
+                name,
+                size / 2**20,
+                "an earlier front's " if by_earlier_front else "",
+                pid,
+            )
 
     def _recorded_process(self, name: str) -> psutil.Process | None:
         """The running process a record names, if it is still the one recorded."""

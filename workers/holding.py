@@ -41,13 +41,17 @@ import gc
 import logging
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from plumbing import heap, lifeline, priority, titles, yielding
 from plumbing.lifeline import Identity
+from plumbing.shmblocks import BlockNotes
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.worker")
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -61,9 +65,12 @@ class Held:
 
 
 class Holdings:
-    def __init__(self, batch_max: int, threads: int = 1):
+    def __init__(self, batch_max: int, threads: int = 1, blocks: BlockNotes | None = None):
         self.batch_max = batch_max
         self.threads = threads  # WORKER_THREADS
+        self.blocks = (
+            blocks  # the shared-memory blocks the models make, noted by model (plumbing/shmblocks.py)
+        )
         self._idle_loader: concurrent.futures.ThreadPoolExecutor | None = None  # started by a first load
         self.by_id: dict[str, Held] = {}
         self.packed = False  # every load so far said `pack`
@@ -92,7 +99,7 @@ class Holdings:
         self._title(extra=model_id)
         started = time.monotonic()
         try:
-            model, helpers, servers = self._load(header["format"], header["path"])
+            model, helpers, servers = self._load(model_id, header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             log.warning(
                 "load of %s failed: %s: %s",
@@ -120,23 +127,35 @@ class Holdings:
         )
         return [protocol.reply(request_id, processes=running) if running else protocol.reply(request_id)]
 
-    def _load(self, format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
+    def _load(self, model_id: str, format_name: str, path: str) -> tuple[Any, list[Identity], list[Identity]]:
         """The loaded model. In a pack: on the idle loader thread where the format allows it, else
         on this thread, giving way to other threads while a custom model loads (see above). With
         the processes it started, in a pack (_noting_helpers)."""
         fmt = formats.by_name(format_name)
         if not self.packed or fmt is None:
-            return formats.load(format_name, path), [], []
+            return self._as_made_by(model_id, formats.load, format_name, path), [], []
         if formats.pack_loads_at_idle_priority(fmt, self.threads):
             if self._idle_loader is None:
                 self._idle_loader = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="load", initializer=_become_idle_work
                 )
-            return self._idle_loader.submit(_noting_helpers, format_name, path).result()
+            return self._idle_loader.submit(
+                self._as_made_by, model_id, _noting_helpers, format_name, path
+            ).result()
         if not fmt.loads_on_any_thread:
             with yielding.giving_way():
-                return _noting_helpers(format_name, path)
-        return _noting_helpers(format_name, path)
+                return self._as_made_by(model_id, _noting_helpers, format_name, path)
+        return self._as_made_by(model_id, _noting_helpers, format_name, path)
+
+    def _as_made_by(self, model_id: str, load: Callable[[str, str], T], format_name: str, path: str) -> T:
+        """load(format_name, path) on this thread, the shared-memory blocks it makes noted as the model's."""
+        if self.blocks is None:
+            return load(format_name, path)
+        self.blocks.made_by(model_id)
+        try:
+            return load(format_name, path)
+        finally:
+            self.blocks.made_by(None)
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]
@@ -154,8 +173,20 @@ class Holdings:
         # Pool's finalizer waited for ever on the queue lock of a worker killed under it.
         self._after_change(collect=True)
         lifeline.end_children(helpers)  # what is left, with its memory, before the front measures
+        self._unlink_blocks_of(model_id)
         log.info("dropped %s; %d models left", model_id, len(self.by_id), extra={"model_id": model_id})
         return [protocol.reply(header["id"])]
+
+    def _unlink_blocks_of(self, model_id: str) -> None:
+        """Unlinks the blocks it left, which would keep their memory in /dev/shm after its drop."""
+        for name, size in self.blocks.unlink_blocks_of(model_id) if self.blocks else []:
+            log.info(
+                "unlinked shared-memory block %s (%.1f MiB) that %s left",
+                name,
+                size / 2**20,
+                model_id,
+                extra={"model_id": model_id},
+            )
 
     def close_all(self) -> None:
         """Runs every held model's close(), as the worker exits."""

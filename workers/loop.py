@@ -44,6 +44,7 @@ from typing import Any
 import zmq
 
 from plumbing import heap, lifeline
+from plumbing.shmblocks import BlockNotes
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
 from workers import batching, protocol, responses, rings, v2
@@ -55,7 +56,7 @@ log = logging.getLogger("mesh.worker")
 
 
 class Worker:
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], blocks: BlockNotes | None = None):
         self.front_watch = FrontWatch(config.get("front"), config["heartbeat_timeout"])
         self.beats = BeatSlot(config)
         self.heap_to_trim = False  # a big buffer came or went since the heap was last given back
@@ -71,7 +72,8 @@ class Worker:
         self.batch_wait = config.get("batch_wait", 0.0)  # seconds
         self.last_batch = 0  # messages handled at the last wake-up
         threads = config.get("threads", 1)
-        self.models = Holdings(self.batch_max, threads)
+        self.blocks = blocks
+        self.models = Holdings(self.batch_max, threads, blocks)
         self.rings = rings.WorkerRings()  # big payloads in shared memory, once the front offers it
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         if threads > 1:
@@ -104,9 +106,12 @@ class Worker:
                 return
 
     def mark_running(self, model_id: str | None, main_thread: bool = False) -> None:
-        """Says in the beat file which model's code a pack's main thread runs now (None: none).
-        Call threads mark nothing (several models may run at once); beside them the main thread
-        still marks its own loads and drops (`main_thread`)."""
+        """Says which model's code this thread runs now (None: none): to the shared-memory blocks
+        it may make, and in the beat file for a pack's main thread. Call threads mark nothing there
+        (several models may run at once); beside them the main thread still marks its own loads and
+        drops (`main_thread`)."""
+        if self.blocks is not None:
+            self.blocks.made_by(model_id)
         if self.models.packed and (self.pool is None or main_thread):
             self.beats.mark_running(model_id)
 

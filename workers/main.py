@@ -13,7 +13,7 @@ import os
 import signal
 from typing import Any
 
-from plumbing import lifeline, logsetup, priority, stacks, titles
+from plumbing import lifeline, logsetup, priority, shmblocks, stacks, titles
 
 
 def run(config: dict[str, Any]) -> None:
@@ -27,6 +27,7 @@ def run(config: dict[str, Any]) -> None:
     titles.set_title("worker spare", config["runtime_dir"])
     logsetup.setup("worker", config["log_level"], config["log_format"])
     stacks.dump_stacks_on_sigusr1(config["runtime_dir"])
+    blocks = shmblocks.note_blocks(config["runtime_dir"])  # the front unlinks what its models leave
     # Before ZeroMQ starts its I/O thread, which inherits the policy.
     if config["sched_batch"] and not priority.schedule_as_batch_work():
         logging.getLogger("mesh.worker").warning(
@@ -34,7 +35,7 @@ def run(config: dict[str, Any]) -> None:
         )
     from workers.loop import Worker
 
-    worker = Worker(config)
+    worker = Worker(config, blocks)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
     try:
         worker.serve()
