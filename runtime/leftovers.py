@@ -12,14 +12,17 @@ very RUNTIME_DIR (plumbing/titles.py), and leaves anything else alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable
+from multiprocessing import resource_tracker
 
 import psutil
 
-from plumbing import shmblocks, titles
+from plumbing import lifeline, shmblocks, titles
 
 log = logging.getLogger("mesh.leftovers")
 
@@ -53,13 +56,18 @@ class ProcessRegistry:
                 "pid %d is not recorded in %s (%s): a later front cannot clean it up", pid, path, error
             )
 
-    def remove(self, pid: int) -> None:
-        """Forgets a reaped process, and unlinks the shared-memory blocks its models left."""
+    def remove(self, pid: int, identity: lifeline.Identity | None = None) -> None:
+        """Forgets a reaped process, and unlinks the shared-memory blocks a worker's models left
+        (`identity`: the worker's, as it was started). Blocking: the unlinks free their memory."""
         try:
             os.unlink(os.path.join(self.folder, str(pid)))
         except FileNotFoundError:
             pass
-        self._unlink_blocks_left(str(pid))
+        if identity is not None:
+            record = shmblocks.record_path(self.runtime_dir, identity)
+            # Multiprocessing's tracker, which the workers share, is this process's: it forgets them.
+            forget = functools.partial(resource_tracker.unregister, rtype=shmblocks.RESOURCE_TYPE)
+            self._unlink_blocks_left(record, forget, ending_group=pid)
 
     def purge(self, wait_seconds: float = 5.0) -> list[int]:
         """SIGKILLs every recorded process that still runs and is ours to kill; returns their pids."""
@@ -81,19 +89,22 @@ class ProcessRegistry:
         stuck = [p.pid for p in survivors if _running(p)]
         if stuck:
             log.error("pids %s survived SIGKILL", stuck)
-        for name in os.listdir(shmblocks.records_folder(self.runtime_dir)):
-            self._unlink_blocks_left(name, by_earlier_front=True)
+        folder = shmblocks.records_folder(self.runtime_dir)
+        for name in os.listdir(folder):  # the earlier front's tracker is gone, ours never knew them
+            self._unlink_blocks_left(os.path.join(folder, name), forget=lambda name: None)
         return [p.pid for p in survivors]
 
-    def _unlink_blocks_left(self, pid: str, by_earlier_front: bool = False) -> None:
-        record = os.path.join(shmblocks.records_folder(self.runtime_dir), pid)
-        for name, size in shmblocks.unlink_recorded(record):
+    def _unlink_blocks_left(
+        self, record: str, forget: Callable[[str], None], ending_group: int | None = None
+    ) -> None:
+        worker = os.path.basename(record)
+        for name, size in shmblocks.unlink_recorded(record, os.getpid(), forget, ending_group):
             log.info(
-                "unlinked shared-memory block %s (%.1f MiB) that the models of %sworker pid %s left",
+                "unlinked shared-memory block %s (%.1f MiB) that the models of worker %s left%s",
                 name,
                 size / 2**20,
-                "an earlier front's " if by_earlier_front else "",
-                pid,
+                worker.partition("-")[0],
+                "" if ending_group else ", under an earlier front",
             )
 
     def _recorded_process(self, name: str) -> psutil.Process | None:

@@ -386,7 +386,7 @@ class WorkerPool:
         code = process.exitcode
         if code is not None:
             process.close()
-        self.registry.remove(pid)
+        self.registry.remove(pid, worker.pid_identity)
         try:
             os.unlink(stacks.stacks_path(self.settings.runtime_dir, pid))
         except FileNotFoundError:

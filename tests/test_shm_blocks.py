@@ -6,28 +6,58 @@ import json
 import os
 
 import pytest
-from harness import Runtime, alive, wait_until
+from harness import Runtime, alive, tree, wait_until
 
-from plumbing import shmblocks
+from plumbing import lifeline, shmblocks
 
 MiB = 1024 * 1024
 
-# Makes a block of BLOCK_MIB in its constructor and never unlinks it; answers with its name and a byte
-# of it, written in the constructor. With the file "tidy" in its folder, close() unlinks it itself.
+# Makes a block of 4 MiB in its constructor and never unlinks it, unless the file "tidy" is in its
+# folder (then close() does). With the file "attach" holding a name, it attaches to that block
+# instead; with "fixed" holding one, it makes a block of that name, or attaches to it if it is
+# there (a reload beside the one before). With "fork", a child it forks makes the block. With
+# "fail", its load raises after making it. Answers with its block's name and last byte.
 BLOCK_MODEL = """
     import os
     import numpy as np
     from multiprocessing import shared_memory
 
+    def setting(path, name):
+        file = os.path.join(path, name)
+        return open(file).read() if os.path.exists(file) else None
+
+    def made(block):
+        block.buf[:] = bytes([7]) * len(block.buf)  # its pages in use, as a model's data would be
+        return block
+
     class Model:
         def __init__(self, path):
-            self.block = shared_memory.SharedMemory(create=True, size={mib} * 1024 * 1024)
-            self.block.buf[:] = bytes([7]) * len(self.block.buf)
-            self.tidy = os.path.exists(os.path.join(path, "tidy"))
+            attach, fixed = setting(path, "attach"), setting(path, "fixed")
+            if attach:
+                self.block = shared_memory.SharedMemory(name=attach)
+            elif fixed:
+                try:
+                    self.block = made(shared_memory.SharedMemory(name=fixed, create=True, size=4 << 20))
+                except FileExistsError:
+                    self.block = shared_memory.SharedMemory(name=fixed)
+            elif setting(path, "fork") is not None:
+                reading, writing = os.pipe()
+                if os.fork() == 0:
+                    block = made(shared_memory.SharedMemory(create=True, size=4 << 20))
+                    os.write(writing, block.name.encode())
+                    os._exit(0)
+                os.close(writing)
+                self.block = shared_memory.SharedMemory(name=os.read(reading, 100).decode())
+            else:
+                self.block = made(shared_memory.SharedMemory(create=True, size=4 << 20))
+            self.tidy = setting(path, "tidy") is not None
+            if setting(path, "fail") is not None:
+                open(os.path.join(path, "made"), "w").write(self.block.name)
+                raise RuntimeError("failing on purpose")
 
         def predict(self, inputs):
-            return {{"name": np.array([self.block.name], dtype=object),
-                    "byte": np.array([self.block.buf[-1]], dtype=np.int64)}}
+            return {"name": np.array([self.block.name], dtype=object),
+                    "byte": np.array([self.block.buf[-1]], dtype=np.int64)}
 
         def close(self):
             if self.tidy:
@@ -36,10 +66,11 @@ BLOCK_MODEL = """
 """
 
 
-def block_model(rt: Runtime, name: str, mib: int = 4, tidy: bool = False) -> str:
-    folder = rt.model_dir(name, BLOCK_MODEL.format(mib=mib))
-    if tidy:
-        open(os.path.join(folder, "tidy"), "w").close()
+def block_model(rt: Runtime, name: str, **settings: str) -> str:
+    folder = rt.model_dir(name, BLOCK_MODEL)
+    for setting, value in settings.items():
+        with open(os.path.join(folder, setting), "w") as file:
+            file.write(value)
     return folder
 
 
@@ -47,14 +78,21 @@ def block_of(rt: Runtime, model_id: str) -> str:
     """The /dev/shm file of the model's block, read back through a call (which also checks its data)."""
     outputs = {o.name: o for o in rt.infer_fp32(model_id, [1.0]).outputs}
     assert list(outputs["byte"].contents.int64_contents) == [7]
-    return os.path.join("/dev/shm", outputs["name"].contents.bytes_contents[0].decode())
+    return os.path.join("/dev/shm", outputs["name"].contents.bytes_contents[0].decode().lstrip("/"))
+
+
+@pytest.fixture
+def fixed_name():
+    name = f"mesh-test-{os.getpid()}"
+    yield name
+    if os.path.exists(f"/dev/shm/{name}"):
+        os.unlink(f"/dev/shm/{name}")
 
 
 def test_the_unload_of_a_model_in_a_worker_of_its_own_unlinks_the_block_it_left():
     with Runtime() as rt:
         rt.load("m", block_model(rt, "m"))
         block = block_of(rt, "m")
-        assert os.path.exists(block)
         rt.unload("m")
         assert not os.path.exists(block)
         assert f"unlinked shared-memory block /{os.path.basename(block)} (4.0 MiB)" in rt.log()
@@ -64,21 +102,57 @@ def test_a_pack_unlinks_a_dropped_models_block_and_keeps_its_neighbours():
     with Runtime(MODELS_PER_WORKER="4", MODEL_PACK_MAX_BYTES=str(64 * MiB)) as rt:
         for model_id in ("a", "b"):
             rt.load(model_id, block_model(rt, model_id))
-        assert rt.worker_for("a") == rt.worker_for("b")
-        pack = rt.worker_for("a")
         a, b = block_of(rt, "a"), block_of(rt, "b")
         rt.unload("a")
         assert not os.path.exists(a) and os.path.exists(b)
-        assert rt.worker_for("b") == pack  # the pack shrank by what a was charged: no recycle
         assert f"unlinked shared-memory block /{os.path.basename(a)} (4.0 MiB) that a left" in rt.log()
         assert block_of(rt, "b") == b
         rt.unload("b")
         assert not os.path.exists(b)
 
 
+def test_a_pack_unlinks_what_a_child_the_model_forked_made_and_what_a_failed_load_made():
+    with Runtime(MODELS_PER_WORKER="4", MODEL_PACK_MAX_BYTES=str(64 * MiB)) as rt:
+        rt.load("neighbour", block_model(rt, "neighbour"))
+        rt.load("forking", block_model(rt, "forking", fork=""))
+        assert rt.worker_for("forking") == rt.worker_for("neighbour")
+        forked = block_of(rt, "forking")
+        rt.unload("forking")
+        assert not os.path.exists(forked)
+        failing = block_model(rt, "failing", fail="")
+        with pytest.raises(Exception, match="failing on purpose"):
+            rt.load("failing", failing)
+        made = os.path.join("/dev/shm", open(os.path.join(failing, "made")).read().lstrip("/"))
+        assert not os.path.exists(made)
+        assert os.path.exists(block_of(rt, "neighbour"))
+
+
+@pytest.mark.parametrize("per_worker", ["1", "4"])
+def test_a_model_that_only_attaches_to_a_block_leaves_it_to_its_maker(per_worker):
+    with Runtime(MODELS_PER_WORKER=per_worker, MODEL_PACK_MAX_BYTES=str(64 * MiB)) as rt:
+        rt.load("maker", block_model(rt, "maker"))
+        block = block_of(rt, "maker")
+        rt.load("reader", block_model(rt, "reader", attach=os.path.basename(block)))
+        assert block_of(rt, "reader") == block
+        rt.unload("reader")
+        assert os.path.exists(block) and block_of(rt, "maker") == block
+        rt.unload("maker")
+        assert not os.path.exists(block)
+
+
+def test_a_block_another_model_maps_outlives_its_makers_unload_until_the_runtime_stops(fixed_name):
+    with Runtime() as rt:
+        rt.load("maker", block_model(rt, "maker", fixed=fixed_name))
+        rt.load("reader", block_model(rt, "reader", fixed=fixed_name))  # attaches: the name is taken
+        block = block_of(rt, "maker")
+        rt.unload("maker")
+        assert os.path.exists(block) and block_of(rt, "reader") == block
+    assert not os.path.exists(block)  # multiprocessing's tracker unlinked it as the runtime stopped
+
+
 def test_a_model_that_unlinks_its_own_block_leaves_nothing_to_unlink():
     with Runtime() as rt:
-        rt.load("m", block_model(rt, "m", tidy=True))
+        rt.load("m", block_model(rt, "m", tidy=""))
         block = block_of(rt, "m")
         rt.unload("m")
         assert not os.path.exists(block)
@@ -94,33 +168,37 @@ def test_a_crashed_workers_block_is_unlinked_when_it_is_reaped():
         assert block_of(rt, "m") != block  # healed, with a block of its own
 
 
-def test_a_new_front_unlinks_the_blocks_an_earlier_ones_workers_left():
+def test_the_blocks_of_a_killed_front_go_with_its_processes():
     first = Runtime().start()
     try:
         first.load("m", block_model(first, "m"))
-        block, worker = block_of(first, "m"), first.worker_for("m")
-        first.process.kill()  # its workers die with it, unreaped by it
+        block, processes = block_of(first, "m"), tree(first.pid)
+        first.process.kill()
         first.process.wait()
-        wait_until(lambda: not alive([worker]), timeout=10, what="the worker to die")
-        assert os.path.exists(block)
-        second = Runtime(RUNTIME_DIR=first.env["RUNTIME_DIR"]).start()
-        try:
-            assert not os.path.exists(block)
-            assert "that the models of an earlier front's worker pid" in second.log()
-        finally:
-            second.stop()
+        wait_until(lambda: not alive(processes), timeout=10, what="the old tree to end")
+        wait_until(lambda: not os.path.exists(block), timeout=10, what="the tracker to unlink the block")
     finally:
         first.stop()
 
 
+def test_a_new_front_unlinks_the_blocks_an_earlier_ones_records_name(tmp_path, scratch_block):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(shmblocks.records_folder(run_dir), mode=0o700)
+    os.chmod(run_dir, 0o700)
+    with open(os.path.join(shmblocks.records_folder(run_dir), "12345-678"), "w") as record:
+        name = "/" + os.path.basename(scratch_block)
+        record.write(json.dumps(["+", name, os.stat(scratch_block).st_ino, "m"]) + "\n")
+    with Runtime(RUNTIME_DIR=run_dir) as rt:
+        assert not os.path.exists(scratch_block)
+        assert "that the models of worker 12345 left, under an earlier front" in rt.log()
+
+
 @pytest.fixture
-def scratch_block():
-    path = os.path.join("/dev/shm", f"mesh-test-{os.getpid()}")
+def scratch_block(fixed_name):
+    path = f"/dev/shm/{fixed_name}"
     with open(path, "wb") as block:
         block.write(b"x" * 8192)
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    return path
 
 
 def write_record(path: str, *lines: list) -> None:
@@ -129,20 +207,42 @@ def write_record(path: str, *lines: list) -> None:
         record.write('["+", "/cut-sho')  # a line cut short by a kill
 
 
-def test_a_record_unlinks_only_the_registered_file_still_there(tmp_path, scratch_block):
+def test_a_record_unlinks_only_the_file_made_that_nothing_maps(tmp_path, scratch_block):
     name, inode = "/" + os.path.basename(scratch_block), os.stat(scratch_block).st_ino
-    record = str(tmp_path / "1")
-    write_record(record, ["+", name, inode + 1])  # another file of the same name, gone since
-    assert shmblocks.unlink_recorded(record) == []
+    record, forgotten = str(tmp_path / "1-2"), []
+    write_record(record, ["+", name, inode + 1, "m"])  # another file of the same name, gone since
+    assert shmblocks.unlink_recorded(record, os.getpid(), forgotten.append) == []
     assert os.path.exists(scratch_block) and not os.path.exists(record)
-    write_record(record, ["+", name, inode], ["-", name, inode])  # unlinked by its model
-    assert shmblocks.unlink_recorded(record) == [] and os.path.exists(scratch_block)
-    write_record(record, ["+", "/../tmp", 1], ["+", name, inode])
-    assert shmblocks.unlink_recorded(record) == [(name, 8192)]
-    assert not os.path.exists(scratch_block)
+    write_record(record, ["+", name, inode, "m"], ["-", name])  # unlinked by its model
+    assert shmblocks.unlink_recorded(record, os.getpid(), forgotten.append) == []
+    with open(scratch_block, "r+b") as file:
+        import mmap
+
+        with mmap.mmap(file.fileno(), 8192):  # this process maps it
+            write_record(record, ["+", name, inode, "m"])
+            assert shmblocks.unlink_recorded(record, os.getpid(), forgotten.append) == []
+    write_record(record, ["+", "/../tmp", 1, "m"], ["+", name, inode, None])
+    assert shmblocks.unlink_recorded(record, os.getpid(), forgotten.append) == [(name, 8192)]
+    assert not os.path.exists(scratch_block) and forgotten == [name]
+
+
+def test_a_record_keeps_to_the_blocks_still_live(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "register_at_fork", lambda **_: None)
+    notes = shmblocks.BlockNotes(str(tmp_path / "1-2"), os.getpid(), lambda name: None)
+    notes.creating(True)
+    for n in range(shmblocks.COMPACT_AFTER_LINES):
+        notes._write(["+", f"/b{n}", n, "m"])
+        notes._write(["-", f"/b{n}"])
+    assert len(open(notes.record).readlines()) < shmblocks.COMPACT_AFTER_LINES
+    assert shmblocks.recorded_blocks(notes.record) == {}
 
 
 def test_names_outside_dev_shm_name_no_block():
     assert shmblocks.block_path("/psm_1a2b") == "/dev/shm/psm_1a2b"
     for name in ("/", "", "/..", "/.", "a/b", "/../etc/passwd"):
         assert shmblocks.block_path(name) is None
+
+
+def test_a_record_is_named_by_the_workers_start_too():
+    identity = lifeline.process_identity(os.getpid())
+    assert shmblocks.record_path("/run", identity) == "/run/shm/{}-{}".format(*identity)

@@ -98,19 +98,17 @@ class Holdings:
         self.packed = packed
         self._title(extra=model_id)
         started = time.monotonic()
+        failure: str | None = None
         try:
             model, helpers, servers = self._load(model_id, header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
-            log.warning(
-                "load of %s failed: %s: %s",
-                model_id,
-                type(error).__name__,
-                error,
-                extra={"model_id": model_id},
-            )
+            failure = f"{type(error).__name__}: {error}"
+        if failure is not None:  # out of the except block: its traceback holds what the load made
+            log.warning("load of %s failed: %s", model_id, failure, extra={"model_id": model_id})
             self._after_change(collect=True)  # what the failed load left goes back before measuring
+            self._unlink_blocks_of(model_id)
             self._title()
-            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, f"{type(error).__name__}: {error}")]
+            return [protocol.error_reply(request_id, protocol.ERROR_LOAD, failure)]
         fmt = formats.by_name(header["format"])
         assert fmt is not None, header["format"]  # formats.load() raised for an unknown format
         batches_rows = fmt.batches_rows and self.batch_max > 1

@@ -27,7 +27,9 @@ def run(config: dict[str, Any]) -> None:
     titles.set_title("worker spare", config["runtime_dir"])
     logsetup.setup("worker", config["log_level"], config["log_format"])
     stacks.dump_stacks_on_sigusr1(config["runtime_dir"])
-    blocks = shmblocks.note_blocks(config["runtime_dir"])  # the front unlinks what its models leave
+    blocks = shmblocks.note_blocks(
+        config["runtime_dir"], config["front"][0]
+    )  # so that they go with their model
     # Before ZeroMQ starts its I/O thread, which inherits the policy.
     if config["sched_batch"] and not priority.schedule_as_batch_work():
         logging.getLogger("mesh.worker").warning(
