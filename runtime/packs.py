@@ -347,10 +347,10 @@ class Packs:
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return
         worker = pack.worker
-        # Its calls run on threads beside the drop, which would close the model under them. A call
-        # that runs on past the grace is ended with the pack (a worker of its own is killed then).
-        threads = self.settings.worker_threads
-        if threads > 1 and not await calls_answered(worker, model_id, CALLS_GRACE_SECONDS):
+        # Its calls run beside the drop (on threads, which would close the model under them), or
+        # ahead of it on the main thread, for as long as they take. A call that runs on past the
+        # grace is ended with the pack, as a worker of its own is killed then.
+        if not await calls_answered(worker, model_id, CALLS_GRACE_SECONDS):
             await self.repacker.recycle(pack, f"calls of {model_id} ran on past its unload")
             return
         before = memory.anonymous(worker.pid)

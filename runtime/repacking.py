@@ -9,24 +9,20 @@ keeps that below one pack's base per format, which capacity holds back. A
 pack holding no model whose load ran long (Model.loads_slowly) is emptied
 first: such a load would hold its new pack's calls as long.
 
-Either way each model is loaded into its new pack with the size it was
-charged (model-mesh keeps the one loadModel answered) and its calls move
-there: in a recycle, all at once when every survivor is in, so that no call
-waits behind a load in the fresh pack while the old one is idle. Calls
-already sent finish in the old pack, which is killed once it has answered
-them (or DRAIN_SECONDS passed), and reaped, before the unload that set it
-off returns. A model that does not move stays with the old pack and
-heals once it is killed. A pack that dies while its models move out loses
-them to healing, which waits for the move: a model the move has given back
-its replica by then heals no further.
+Either way each model is loaded into its new pack with the size it was charged (model-mesh keeps
+the one loadModel answered) and its calls move there: in a recycle, all at once when every
+survivor is in, so that no call waits behind a load in the fresh pack while the old one is idle.
+Calls already sent finish in the old pack, which is killed once it has answered them (or
+DRAIN_SECONDS passed), and reaped, before the unload that set it off returns. A model that does
+not move stays with the old pack and heals once it is killed. A pack that dies while its models
+move out loses them to healing, which waits for the move: a model the move has given back its
+replica by then heals no further.
 
-A move, once begun, runs to its end even if the task that began it is
-cancelled (a load given up, a heal stopped by an unload): cut short, it would
-leave a fresh pack half made, holding models no size covered, beside an old
-pack that was closed but never killed. The cancelled task waits for the move
-and is cancelled after it, so the pack's lock is not given up halfway
-either; so LOADTIME_TIMEOUT ends a load whose failure set a recycle off only
-once the recycle is done.
+A move, once begun, runs to its end even if the task that began it is cancelled (a load given
+up, a heal stopped by an unload): cut short, it would leave a fresh pack half made, holding
+models no size covered, beside an old pack that was closed but never killed. The cancelled task
+waits for the move and is cancelled after it, so the pack's lock is not given up halfway either;
+so LOADTIME_TIMEOUT ends a load whose failure set a recycle off only once the recycle is done.
 """
 
 from __future__ import annotations
@@ -341,7 +337,7 @@ class Repacker:
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
         reaped."""
-        await drain(pack.worker)
+        await drain(pack.worker, list(pack.members))
         pack.open = False
         # Those whose calls still go to it did not move: they stay its members, and heal once
         # it is reaped (Healer.on_worker_exit asks Packs.forget for them).
@@ -354,10 +350,13 @@ class Repacker:
             self.packs.on_recycle(time.monotonic() - started, moved)
 
 
-async def drain(worker: Worker) -> None:
-    """Waits until the worker has answered every call sent to it (or DRAIN_SECONDS passed)."""
+async def drain(worker: Worker, owed_for: list[str] | None = None) -> None:
+    """Waits until the worker has answered every call sent to it (those of `owed_for`'s models, if
+    given: an unloaded model is owed none), or DRAIN_SECONDS passed."""
     deadline = time.monotonic() + DRAIN_SECONDS
-    while worker.in_flight and worker.serving and time.monotonic() < deadline:
+    while worker.serving and time.monotonic() < deadline:
+        if not (worker.in_flight if owed_for is None else sum(worker.calls.get(m, 0) for m in owed_for)):
+            return
         await asyncio.sleep(DRAIN_CHECK_SECONDS)
 
 

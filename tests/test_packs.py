@@ -105,6 +105,19 @@ CRASHING_LATE_MODEL = """
             os.kill(os.getpid(), signal.SIGKILL)
 """
 
+# A model whose every call runs for two minutes.
+STUCK_CALL_MODEL = """
+    import time
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            time.sleep(120)
+            return dict(inputs)
+"""
+
 # A model whose predict raises: only that call fails.
 RAISING_MODEL = """
     class Model:
@@ -524,6 +537,20 @@ def test_an_unload_lets_the_pack_answer_the_models_calls_before_it_drops_the_mod
         wait_until(lambda: busy_in(rt, "busy"), timeout=10, what="the call under way in the pack")
         rt.unload("busy")
         assert call.result(timeout=10), "the call ran to its end before the model was closed"
+        assert answers(rt, "neighbour")
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_an_unload_waits_for_a_stuck_call_only_through_the_grace_and_the_pack_serves_on(threads):
+    with packed(WORKER_THREADS=threads) as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        rt.load("stuck", rt.model_dir("stuck", STUCK_CALL_MODEL))
+        call = concurrent.futures.ThreadPoolExecutor(1).submit(answers, rt, "stuck")
+        wait_until(lambda: busy_in(rt, "stuck"), timeout=10, what="the call under way in the pack")
+        rt.unload("stuck")  # within its 60 s deadline: not held for the call's two minutes
+        assert "calls of stuck ran on past its unload" in rt.log()
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=60)
         assert answers(rt, "neighbour")
 
 
