@@ -490,6 +490,16 @@ def test_kept_tensor_heads_stay_bounded_and_right():
         assert len(responses._heads) <= responses.HEADS_MAX
 
 
+def test_heads_of_long_output_names_are_written_but_not_kept():
+    """A model naming its outputs after a client's inputs must not keep what a client sent."""
+    responses._heads.clear()
+    long_name = "n" * (responses.HEAD_NAME_KEPT_MAX + 1)
+    for name in (long_name, "y"):
+        data = responses.encode_response(pb.ModelInferRequest(), {name: np.zeros(2, np.float32)}, False)
+        assert list(response_arrays(data)[1]) == [name]
+    assert [key[0] for key in responses._heads] == ["y"]
+
+
 @pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
 def test_big_endian_output_is_sent_as_its_little_endian_datatype(raw):
     value = np.array([1, -2, 2**30], dtype=">i4")

@@ -85,9 +85,12 @@ def encode_response_parts(
 
 
 # (name, datatype, shape) -> an output tensor's first three fields: a model
-# answers with the same few over and over. Emptied when full.
+# answers with the same few over and over. Emptied when full. Long names are
+# not kept: a model that names its outputs after a client's inputs would keep
+# whatever a client sent, up to HEADS_MAX of them.
 _heads: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
 HEADS_MAX = 1024
+HEAD_NAME_KEPT_MAX = 256  # characters
 
 
 def _tensor_head(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
@@ -103,9 +106,9 @@ def _tensor_head(name: str, datatype: str, shape: tuple[int, ...]) -> bytes:
             raise BadModelOutput(
                 f"output name {name!r} cannot be written in UTF-8 ({error.reason})"
             ) from None
-        head = _heads[key] = (
-            written_name + wire.string_field_bytes(2, datatype) + wire.packed_varints(3, shape)
-        )
+        head = written_name + wire.string_field_bytes(2, datatype) + wire.packed_varints(3, shape)
+        if len(name) <= HEAD_NAME_KEPT_MAX and len(shape) <= HEAD_NAME_KEPT_MAX:
+            _heads[key] = head
     return head
 
 
