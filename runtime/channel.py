@@ -42,11 +42,18 @@ class _Request:
     is still busy with it.
     """
 
-    __slots__ = ("peer", "future", "on_end", "timer")
+    __slots__ = ("peer", "future", "on_end", "overdue", "timer")
 
-    def __init__(self, peer: bytes, future: asyncio.Future, on_end: Callable[[], None] | None):
+    def __init__(
+        self,
+        peer: bytes,
+        future: asyncio.Future,
+        on_end: Callable[[], None] | None,
+        overdue: tuple[float, Callable[[], BaseException]] | None,
+    ):
         self.peer, self.future, self.on_end = peer, future, on_end
-        self.timer: asyncio.TimerHandle | None = None
+        self.overdue = overdue  # (seconds after the worker begins it, the error to end it with then)
+        self.timer: asyncio.TimerHandle | None = None  # armed once the worker has begun it
 
 
 class Channel:
@@ -65,6 +72,7 @@ class Channel:
         on_event: Callable[[bytes, dict], None],
         busy_poll_seconds: float = 0.0,
         ring_bytes: int = 0,
+        runs_at_once: int = 1,
     ):
         self.address = address
         self._on_event = on_event
@@ -79,7 +87,8 @@ class Channel:
         self._socket.bind(address)
         self._ids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
-        self._by_peer: dict[bytes, set[int]] = {}
+        self._by_peer: dict[bytes, dict[int, None]] = {}  # in the order sent
+        self.runs_at_once = runs_at_once  # requests a worker runs at a time (WORKER_THREADS)
         self._fd = self._socket.fileno()  # what getsockopt(zmq.FD) returns, typed int rather than int | bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
@@ -132,8 +141,11 @@ class Channel:
 
         `on_end` runs once the worker has answered or died, whether or not
         anyone still waits on the future (see _Request). A request still
-        unanswered `overdue_after` seconds later ends with the error that
-        `on_overdue()` returns (it is expected to end the worker too).
+        unanswered `overdue_after` seconds after the worker began it ends with
+        the error that `on_overdue()` returns (it is expected to end the worker
+        too). A worker is taken to begin its requests in the order sent,
+        `runs_at_once` at a time: one queued behind others is not overdue for
+        the time it waited.
         """
         if self._loop is None:
             raise RuntimeError("Channel.submit() before start()")
@@ -141,13 +153,12 @@ class Channel:
             raise ValueError("overdue_after needs on_overdue, the error to end the request with")
         request_id = next(self._ids)
         future = self._loop.create_future()
-        request = self._pending[request_id] = _Request(peer, future, on_end)
-        if overdue_after is not None and on_overdue is not None:  # both or neither (checked above)
-            request.timer = self._loop.call_later(overdue_after, self._overdue, request_id, on_overdue)
-        waiting = self._by_peer.get(peer)
-        if waiting is None:
-            waiting = self._by_peer[peer] = set()
-        waiting.add(request_id)
+        overdue = (
+            (overdue_after, on_overdue) if overdue_after is not None and on_overdue is not None else None
+        )
+        self._pending[request_id] = _Request(peer, future, on_end, overdue)
+        self._by_peer.setdefault(peer, {})[request_id] = None
+        self._start_clocks(peer)
         try:
             if peer in self.rings.owed or _reaches(payloads, self.rings.threshold):
                 payloads, ring = self.rings.outgoing(peer, payloads)
@@ -166,6 +177,16 @@ class Channel:
     ) -> tuple[dict, list]:
         """submit(), awaited."""
         return await self.submit(peer, op, payloads, **fields)
+
+    def _start_clocks(self, peer: bytes) -> None:
+        """Arms the overdue timer of each request the worker has begun by now: the first
+        `runs_at_once` of those it has not answered."""
+        assert self._loop is not None  # submit() checked
+        for request_id in itertools.islice(self._by_peer.get(peer, ()), self.runs_at_once):
+            request = self._pending[request_id]
+            if request.overdue is not None and request.timer is None:
+                seconds, on_overdue = request.overdue
+                request.timer = self._loop.call_later(seconds, self._overdue, request_id, on_overdue)
 
     def _overdue(self, request_id: int, on_overdue: Callable[[], BaseException]) -> None:
         # After a stall of the event loop the timer may fire with the reply
@@ -186,11 +207,12 @@ class Channel:
             return
         waiting = self._by_peer.get(request.peer)
         if waiting is not None:
-            waiting.discard(request_id)
+            waiting.pop(request_id, None)
             if not waiting:
                 del self._by_peer[request.peer]
         if request.timer is not None:
             request.timer.cancel()
+        self._start_clocks(request.peer)  # the next in line has begun
         if request.on_end is not None:
             request.on_end()
         future = request.future

@@ -1,5 +1,6 @@
 """A record, in RUNTIME_DIR, of every process the front started, so that the
-next front on the same RUNTIME_DIR can kill whatever an earlier one left; and
+next front on the same RUNTIME_DIR can kill whatever an earlier one left (the
+folders for what each worker writes there are made here too); and
 the shared-memory blocks a worker's models left, unlinked once it is reaped
 (plumbing/shmblocks.py), or by the next front if this one is killed first.
 
@@ -22,7 +23,7 @@ from multiprocessing import resource_tracker
 
 import psutil
 
-from plumbing import lifeline, shmblocks, titles
+from plumbing import lifeline, shmblocks, stacks, titles
 
 log = logging.getLogger("mesh.leftovers")
 
@@ -37,6 +38,7 @@ class ProcessRegistry:
         self.folder = os.path.join(runtime_dir, "pids")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         os.makedirs(shmblocks.records_folder(runtime_dir), mode=0o700, exist_ok=True)
+        os.makedirs(os.path.dirname(stacks.stacks_path(runtime_dir, 0)), mode=0o700, exist_ok=True)
 
     def add(self, pid: int) -> None:
         """Records a process just started. One that cannot be recorded (a full disk) runs on all the

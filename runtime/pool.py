@@ -57,12 +57,12 @@ class WorkerPool:
     def __init__(self, settings: Settings, on_worker_exit):
         self.settings = settings
         self.registry = ProcessRegistry(settings.runtime_dir)
-        os.makedirs(os.path.join(settings.runtime_dir, "stacks"), mode=0o700, exist_ok=True)
         self.channel = Channel(
             f"ipc://{settings.runtime_dir}/workers.sock",
             self._on_event,
             busy_poll_seconds=settings.busy_poll_us / 1e6,
             ring_bytes=settings.shared_ring_bytes,
+            runs_at_once=settings.worker_threads,
         )
         self.beats = BeatFile(settings.runtime_dir)
         self.ready = False

@@ -48,7 +48,7 @@ async def until(condition, seconds: float = 5.0) -> None:
 def run(tmp_path):
     """Runs an async test with a started Channel and a connected FakeWorker."""
 
-    def runner(test, busy_poll_seconds: float = 0.0, ring_bytes: int = 0):
+    def runner(test, busy_poll_seconds: float = 0.0, ring_bytes: int = 0, runs_at_once: int = 1):
         async def main():
             heard = []
             channel = Channel(
@@ -56,6 +56,7 @@ def run(tmp_path):
                 lambda peer, header: heard.append(header["op"]),
                 busy_poll_seconds,
                 ring_bytes,
+                runs_at_once,
             )
             channel.start()
             worker = FakeWorker(channel.address)
@@ -150,6 +151,41 @@ def test_overdue_request_ends_with_the_given_error(run):
         await asyncio.sleep(0.05)
 
     run(test)
+
+
+def overdue_call(channel, overdue_after: float) -> asyncio.Future:
+    return channel.submit(
+        b"w1",
+        protocol.OP_CALL,
+        [b"x"],
+        overdue_after=overdue_after,
+        on_overdue=lambda: TimeoutError("overdue"),
+        method="m",
+        deadline=None,
+    )
+
+
+def test_a_request_queued_behind_another_is_not_overdue_for_the_time_it_waited(run):
+    async def test(channel, worker):
+        first, second = overdue_call(channel, 0.5), overdue_call(channel, 0.5)
+        await asyncio.sleep(0.3)
+        worker.answer(worker.take()["id"])
+        await first
+        await asyncio.sleep(0.3)  # 0.6 s after it was sent, 0.3 s after its worker began it
+        worker.answer(worker.take()["id"])
+        await second
+
+    run(test)
+
+
+def test_a_worker_running_requests_at_once_begins_them_all(run):
+    async def test(channel, worker):
+        calls = [overdue_call(channel, 0.05) for _ in range(2)]
+        for call in calls:
+            with pytest.raises(TimeoutError, match="overdue"):
+                await asyncio.wait_for(call, 5)
+
+    run(test, runs_at_once=2)
 
 
 def test_unknown_peer_fails_at_once_and_frees_the_slot(run):

@@ -258,6 +258,18 @@ def test_abandoned_stuck_calls_still_hit_the_request_timeout():
         assert ask(runtime, "stuck").outputs
 
 
+def test_calls_queued_in_a_worker_are_not_overdue_for_the_time_they_waited():
+    with Runtime(WORKER_REQUEST_TIMEOUT_MS="2000") as runtime:
+        runtime.load(
+            "napper", runtime.model_dir("napper", TROUBLE.replace("time.sleep(3)", "time.sleep(0.5)"))
+        )
+        worker = runtime.worker_for("napper")
+        with concurrent.futures.ThreadPoolExecutor(5) as callers:  # 2.5 s of naps, 0.5 s each
+            calls = [callers.submit(ask, runtime, "napper", "nap") for _ in range(5)]
+            assert all(call.result().outputs for call in calls)
+        assert alive([worker]) and "WORKER_REQUEST_TIMEOUT_MS" not in runtime.log()
+
+
 # Dies DELAY seconds after its constructor returns (DELAY read from the file "delay").
 RACER = """
     import os, threading
