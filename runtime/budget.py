@@ -218,8 +218,11 @@ class ByteBudget:
     def hold_response(self, model_id: str, size: int) -> None:
         """Counts a response being sent as reserve() does, or raises RESOURCE_EXHAUSTED when
         responses would hold more than SENDING_SHARE of the front's budget (or than the largest
-        request, where that is more: the largest answer fits on its own)."""
-        limit = max(int(self.total * SENDING_SHARE), self.largest_request)
+        request, where that is more: the largest answer fits on its own), or leave no room to read
+        the largest request: a client that reads no answer must not stop every call's read."""
+        limit = min(
+            max(int(self.total * SENDING_SHARE), self.largest_request), self.total - self.largest_request
+        )
         if self.sending + size > limit:
             raise status.responses_over_budget(model_id, size, self.sending, limit)
         self.reserve(model_id, size)

@@ -101,7 +101,7 @@ def responses_over_budget(model_id: str, size: int, sending: int, limit: int) ->
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"the {size}-byte response for {model_id!r} cannot be held until sent: responses their "
         f"clients have not read yet hold {sending} bytes, and may hold {limit} (half of FRONT_BYTES_MAX, "
-        "or GRPC_MAX_MESSAGE_BYTES if more)",
+        "or GRPC_MAX_MESSAGE_BYTES if more, leaving GRPC_MAX_MESSAGE_BYTES of it for a read)",
     )
 
 

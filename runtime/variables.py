@@ -28,11 +28,13 @@ def default_preload() -> tuple[str, ...]:
 
 
 def _front_bytes_default(so_far: dict[str, Any]) -> int:
-    """A sixteenth of the container's memory: the front holds about twice what its calls hold."""
+    """A sixteenth of the container's memory: the front holds about twice what its calls hold. At
+    least room for the largest request and the largest response at once: a response held until its
+    client reads it would otherwise leave no room to read any request, or be refused."""
     from runtime import memory  # reads the cgroup; only needed when the default is used
 
     container = memory.container_memory(so_far["container_mem_req_bytes"])
-    return max(so_far["grpc_max_message_bytes"], container // 16)
+    return max(2 * so_far["grpc_max_message_bytes"], container // 16)
 
 
 # runtimeStatus carries some settings in uint32 fields: a value past this could not be sent.
@@ -341,11 +343,12 @@ VARIABLES: tuple[Variable, ...] = (
         "FRONT_BYTES_MAX",
         parse.whole_number,
         lambda s: _front_bytes_default(s),
-        "bytes of requests (and of responses of 64 KiB or more, until sent: at most half of it) all "
-        "calls together may hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at "
-        "once (at least GRPC_MAX_MESSAGE_BYTES)",
+        "bytes of requests (and of responses of 64 KiB or more, until sent: at most half of it, and "
+        "never so much that a GRPC_MAX_MESSAGE_BYTES request cannot be read) all calls together may "
+        "hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at once (at least "
+        "GRPC_MAX_MESSAGE_BYTES)",
         parse.at_least(1),
-        default_text="container memory / 16, at least GRPC_MAX_MESSAGE_BYTES",
+        default_text="container memory / 16, at least 2 x GRPC_MAX_MESSAGE_BYTES",
     ),
     Variable(
         "METRICS_PORT",

@@ -343,9 +343,10 @@ def test_long_error_messages_keep_their_status_and_are_cut_short(guarded):
         assert error.details().startswith("ValueError: 模模")
 
 
-def test_the_largest_answer_fits_a_budget_at_its_floor():
-    budget = ByteBudget(per_model=100, total=100, largest_request=80)
-    budget.hold_response("m", 80)  # alone: half the budget would refuse every answer over 50
+def test_the_largest_answer_fits_a_budget_of_twice_the_largest_request():
+    budget = ByteBudget(per_model=160, total=160, largest_request=80)
+    budget.hold_response("m", 80)  # alone, with room to read beside it
+    assert budget.try_start_reading() is not None
     with pytest.raises(status.RpcError):
         budget.hold_response("n", 10)
     budget.release_response("m", 80)
@@ -365,6 +366,17 @@ def test_responses_not_yet_read_leave_the_budget_half_free_for_reading():
     budget.release_response("a", 10)
     budget.hold_response("f", 10)
     assert budget.sending == 50 and budget.held == 90
+
+
+def test_responses_not_yet_read_always_leave_room_to_read_the_largest_request():
+    # Half of a budget under twice the largest request would not hold a read beside a held answer:
+    # one client not reading its answer would stop every call's read.
+    budget = ByteBudget(per_model=150, total=150, largest_request=100)
+    with pytest.raises(status.RpcError) as refused:
+        budget.hold_response("a", 60)
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "for a read" in refused.value.message
+    budget.hold_response("a", 50)
+    assert budget.try_start_reading() is not None
 
 
 def _percent_encoded_length(text: str) -> int:

@@ -127,7 +127,8 @@ def test_byte_budgets_follow_the_message_limit_and_the_container():
     assert s.model_bytes_max == 32 * 2**20
     assert s.front_bytes_max == 2**30 // 16
     small_pod = config.Settings.from_env({"CONTAINER_MEM_REQ_BYTES": str(64 * 2**20)})
-    assert small_pod.front_bytes_max == small_pod.grpc_max_message_bytes  # never below one whole request
+    # Never below a whole request and a whole response at once
+    assert small_pod.front_bytes_max == 2 * small_pod.grpc_max_message_bytes
 
 
 def test_the_typed_fields_are_exactly_the_variables_in_order():
