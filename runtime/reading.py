@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -37,6 +37,9 @@ log = logging.getLogger("mesh.reading")
 # that has not come this long after its read began is refused: streams opened and left silent
 # would hold the control methods' budget for as long as they stay open. Those requests are tiny.
 CONTROL_READ_SECONDS = 5.0
+# Each message of a method that streams requests: reflection's name a symbol or a file, and are
+# echoed back in its answers, which grpc holds, outside any budget, until the client reads them.
+STREAMED_REQUEST_MAX = 65536
 
 _ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
@@ -51,17 +54,21 @@ Caller = tuple[Any, Ended | None, tuple]
 
 async def read_request(budget: ByteBudget, context, ended: Ended | None = None, about: tuple = ()) -> bytes:
     """The call's request bytes, read once the budget has room for the largest allowed request."""
-    caller: Caller = (context, ended, about)
+    request = await _read_message(budget, (context, ended, about))
+    if request is grpc.aio.EOF:
+        raise status.invalid_argument("the call carried no request message")
+    return request
+
+
+async def _read_message(budget: ByteBudget, caller: Caller) -> Any:
+    """The call's next request message, or grpc.aio.EOF, read as read_request() reads its one."""
     read = budget.try_start_reading(caller)
     if read is None:
         read = await _wait_to_read(budget, caller)
     try:
-        request = await context.read()  # grpc's AbortError once end_read() has ended the call
+        return await caller[0].read()  # grpc's AbortError once end_read() has ended the call
     finally:
         budget.done_reading(read)
-    if request is grpc.aio.EOF:
-        raise status.invalid_argument("the call carried no request message")
-    return request
 
 
 async def _wait_to_read(budget: ByteBudget, caller: Caller) -> Read:
@@ -108,11 +115,13 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
     is read under `budget`: unary-unary as stream-unary, unary-stream (health's Watch) as
     stream-stream.
 
-    Methods that stream requests are returned as they are: their requests are
-    read one message at a time, when the servicer asks.
+    Methods that stream requests (reflection's) read each message under `budget`
+    as the servicer asks for it, and refuse one over STREAMED_REQUEST_MAX.
     """
-    if handler is None or handler.request_streaming:
+    if handler is None:
         return handler
+    if handler.request_streaming:
+        return _streaming_under(handler, budget)
     deserialize, serializer = handler.request_deserializer, handler.response_serializer
     if handler.response_streaming:
         answer_stream = handler.unary_stream
@@ -133,6 +142,45 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
         return await answer if inspect.isawaitable(answer) else answer
 
     return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
+
+
+def _streaming_under(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:
+    """budgeted() for a method that streams requests, and answers with one or a stream."""
+    deserialize, serializer = handler.request_deserializer, handler.response_serializer
+    if not handler.response_streaming:
+        answer_one = handler.stream_unary
+
+        async def serve(request_iterator, context):
+            return await answer_one(_budgeted_requests(budget, context, deserialize), context)
+
+        return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
+    answer_stream = handler.stream_stream
+
+    async def serve_stream(request_iterator, context):
+        answers = answer_stream(_budgeted_requests(budget, context, deserialize), context)
+        if inspect.isasyncgen(answers):
+            async for answer in answers:
+                await context.write(answer)
+        else:  # a coroutine that writes its answers itself
+            await answers
+
+    return grpc.stream_stream_rpc_method_handler(serve_stream, response_serializer=serializer)
+
+
+async def _budgeted_requests(budget: ByteBudget, context, deserialize) -> AsyncIterator[Any]:
+    """The call's request messages, each read under `budget`; the call is aborted past a limit."""
+    while True:
+        message = None
+        try:
+            message = await _read_message(budget, (context, None, ()))
+            if message is grpc.aio.EOF:
+                return
+            if len(message) > STREAMED_REQUEST_MAX:
+                raise status.streamed_request_too_big(len(message), STREAMED_REQUEST_MAX)
+            yield message if deserialize is None else _deserialized(deserialize, message)
+        except status.RpcError as error:
+            del message  # the abort's traceback holds this frame: not the message with it
+            await status.abort(context, error)
 
 
 async def _budgeted_request(budget: ByteBudget, context, deserialize):

@@ -157,6 +157,13 @@ def read_gave_way(seconds: float) -> RpcError:
     )
 
 
+def streamed_request_too_big(size: int, limit: int) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"a streamed request message of {size} bytes: this method takes none over {limit}",
+    )
+
+
 def request_not_sent(seconds: float) -> RpcError:
     return invalid_argument(f"the call's request did not come within {seconds:g} s of its start")
 

@@ -191,11 +191,27 @@ def test_health_serving(served):
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
+SERVICES = ["mmesh.ModelRuntime", "inference.GRPCInferenceService", "grpc.health.v1.Health"]
+
+
 def test_reflection_lists_every_service(served):
     stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
     (answer,) = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for s in answer.list_services_response.service}
-    assert {"mmesh.ModelRuntime", "inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
+    assert set(SERVICES) <= names
+
+
+def test_reflection_answers_several_requests_of_a_stream_and_refuses_a_huge_one(served):
+    stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    asked = [reflection_pb2.ServerReflectionRequest(file_containing_symbol=name) for name in SERVICES]
+    answers = list(stub.ServerReflectionInfo(iter(asked)))
+    assert [a.WhichOneof("message_response") for a in answers] == ["file_descriptor_response"] * len(SERVICES)
+    huge = reflection_pb2.ServerReflectionRequest(file_containing_symbol="x" * 2**20)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.ServerReflectionInfo(iter([asked[0], huge, asked[0]])))
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "none over 65536" in refused.value.details()
+    assert len(list(stub.ServerReflectionInfo(iter(asked)))) == len(SERVICES)  # and answers on
 
 
 def test_unknown_method_is_unimplemented(served):
