@@ -10,6 +10,7 @@ treats that text as a missing model (contract doc section 4.3).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import signal
@@ -219,7 +220,14 @@ async def abort(context, error: RpcError):
     megabytes of refused requests later.
     """
     error.__traceback__ = error.__context__ = error.__cause__ = None
-    await context.abort(error.code, details(error.message))
+    try:
+        await context.abort(error.code, details(error.message))
+    except grpc.aio.InternalError as failed:
+        # grpc's core ended the call meanwhile (its deadline passed in the same instant), and
+        # would log the failed abort as an error of ours, with its traceback; a cancelled call's
+        # handler it ends quietly.
+        log.debug("the call ended before it could be aborted with %s: %r", error.code.name, failed)
+        raise asyncio.CancelledError() from None
 
 
 def details(message: str) -> str:

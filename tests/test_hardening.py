@@ -517,3 +517,12 @@ def test_response_over_the_message_limit_is_resource_exhausted_with_one_log_line
         assert "Traceback" not in log
         assert sum("over GRPC_MAX_MESSAGE_BYTES" in line for line in log.splitlines()) == 1
         assert runtime.worker_for("big") is not None
+
+
+def test_an_abort_the_call_ended_before_ends_its_handler_as_a_cancelled_call():
+    class EndedContext:
+        async def abort(self, code, message):
+            raise grpc.aio.InternalError("execute_batch failed: the call is over")
+
+    with pytest.raises(asyncio.CancelledError):  # grpc logs that at debug level, not as an error
+        asyncio.run(status.abort(EndedContext(), status.invalid_argument("late")))
