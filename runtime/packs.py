@@ -25,16 +25,15 @@ be in the sizes of the models that fill it.
 What a pack costs beyond its models' sizes (one not yet full) is counted in
 capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
 
-What a load added and what a drop gave back are read from the pack's
-anonymous pages (memory.anonymous(), cheap). A pack that did not shrink by
-what the model's load added, less RECYCLE_SLACK_BYTES, is recycled before the
-unload returns, and so is one that may still run an abandoned load, a failed
-load that left memory behind, or a process its load started (multiprocessing's
-fork server) after its drop; after an unload, a format's emptiest pack may
-be compacted into the others (runtime/repacking.py). A model whose load leaves
-processes running moves to a worker of its own (runtime/supervisor.py): what
-it shares with them, and its neighbours' pages a child it forked keeps, are in
-no measure of the pack.
+What a load added and what a drop gave back are read from the pack's anonymous pages
+(memory.anonymous(), cheap). A pack that did not shrink by what the model's load added, less
+RECYCLE_SLACK_BYTES, is recycled before the unload returns, and so is one that may still run an
+abandoned load, a failed load that left memory behind, or a process its load started
+(multiprocessing's fork server) after its drop, and one whose drop (the model's close()) runs past
+CALLS_GRACE_SECONDS; after an unload, a format's emptiest pack may be compacted into the others
+(runtime/repacking.py). A model whose load leaves processes running moves to a worker of its own
+(runtime/supervisor.py): what it shares with them, and its neighbours' pages a child it forked
+keeps, are in no measure of the pack.
 
 A pack that dies takes only its own models down; the supervisor heals them
 into other packs and counts the crash against the model whose code it was
@@ -86,8 +85,8 @@ FILLING_PACKS_MAX = 2
 # Models that left a pack for workers of their own, remembered (by id and path) so that their next
 # load goes there at once: a pack first would run their load twice. The oldest forgotten past this.
 LEFT_PACKS_MAX = 4096
-# How long an unload lets the model's calls under way in its pack run before it drops the model
-# (as long as a worker of its own gets between SIGTERM and SIGKILL).
+# How long an unload lets the model's calls under way in its pack run, then its drop (its close()):
+# as long as a worker of its own gets between SIGTERM and SIGKILL.
 CALLS_GRACE_SECONDS = 2.0
 
 
@@ -339,7 +338,7 @@ class Packs:
         grown = pack.grown.pop(model_id, 0)
         started = pack.started.pop(model_id, set())
         if not pack.charged and not pack.members:
-            await self._end(pack, f"its last model ({model_id}) is unloaded")
+            await self._end(pack, f"its last model ({model_id}) is unloaded", grace=CALLS_GRACE_SECONDS)
             return
         if pack.abandoned:  # a load given up may still run in the pack
             await self.repacker.recycle(pack, f"the load of {model_id} was abandoned")
@@ -355,18 +354,21 @@ class Packs:
             return
         before = memory.anonymous(worker.pid)
         try:
-            await self.pool.send_drop(worker, model_id)
+            await asyncio.wait_for(self.pool.send_drop(worker, model_id), CALLS_GRACE_SECONDS)
         except PeerGone:
             return  # the pack died: its memory is back once reaped, and the supervisor heals the rest
+        except TimeoutError:
+            await self.repacker.recycle(pack, f"the drop of {model_id} ran on past {CALLS_GRACE_SECONDS:g} s")
+            return
         if reason := _left_behind(model_id, started, before - memory.anonymous(worker.pid), grown):
             await self.repacker.recycle(pack, reason)
 
-    async def _end(self, pack: Pack, reason: str) -> None:
-        """Kills a pack that holds nothing any more, once it answered the calls sent to it (a pack
-        left to a load still owes those of the models that moved out); returns once it is reaped."""
+    async def _end(self, pack: Pack, reason: str, grace: float = 0.0) -> None:
+        """Kills a pack that holds nothing any more once it answered the calls sent to it (one left to a
+        load owes the moved models'), `grace` after SIGTERM (close()); returns once it is reaped."""
         self.retire(pack)
         await repacking.drain(pack.worker)
-        self.pool.kill(pack.worker, KillCause.UNLOAD, reason)
+        self.pool.kill(pack.worker, KillCause.UNLOAD, reason, grace)
         await asyncio.shield(pack.worker.exited)
 
     def forget(self, worker: Worker) -> list[Model]:

@@ -554,6 +554,46 @@ def test_an_unload_waits_for_a_stuck_call_only_through_the_grace_and_the_pack_se
         assert answers(rt, "neighbour")
 
 
+# Writes "closed" in its folder as close() begins; with the file "hang" there, close() never ends.
+CLOSING_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+
+        def predict(self, inputs):
+            return dict(inputs)
+
+        def close(self):
+            open(os.path.join(self.path, "closed"), "w").close()
+            while os.path.exists(os.path.join(self.path, "hang")):
+                time.sleep(0.1)
+"""
+
+
+def test_a_packed_models_close_that_never_ends_holds_its_unload_through_the_grace_only():
+    with packed() as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        path = rt.model_dir("hanging", CLOSING_MODEL)
+        open(os.path.join(path, "hang"), "w").close()
+        rt.load("hanging", path)
+        rt.unload("hanging")  # within its 60 s deadline
+        assert os.path.exists(os.path.join(path, "closed"))
+        assert "the drop of hanging ran on past 2 s" in rt.log()
+        assert answers(rt, "neighbour")
+
+
+def test_the_last_model_of_a_pack_gets_its_close_too():
+    with packed() as rt:
+        paths = [rt.model_dir(model_id, CLOSING_MODEL) for model_id in ("first", "last")]
+        for model_id, path in zip(("first", "last"), paths):
+            rt.load(model_id, path)
+        for model_id, path in zip(("first", "last"), paths):
+            rt.unload(model_id)
+            assert os.path.exists(os.path.join(path, "closed")), model_id
+
+
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
     with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
         rt.load("echo", rt.model_dir("echo"))
