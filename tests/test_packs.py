@@ -587,11 +587,37 @@ def test_a_packed_models_close_that_never_ends_holds_its_unload_through_the_grac
 def test_the_last_model_of_a_pack_gets_its_close_too():
     with packed() as rt:
         paths = [rt.model_dir(model_id, CLOSING_MODEL) for model_id in ("first", "last")]
-        for model_id, path in zip(("first", "last"), paths):
+        for model_id, path in zip(("first", "last"), paths, strict=True):
             rt.load(model_id, path)
-        for model_id, path in zip(("first", "last"), paths):
+        for model_id, path in zip(("first", "last"), paths, strict=True):
             rt.unload(model_id)
             assert os.path.exists(os.path.join(path, "closed")), model_id
+
+
+# Keeps an object of a class of its own pickled, and unpickles it for each call.
+PICKLING_MODEL = """
+    import pickle
+
+    class Scale:
+        factor = FACTOR
+
+    class Model:
+        def __init__(self, path):
+            self.kept = pickle.dumps(Scale())
+
+        def predict(self, inputs):
+            return {"y": inputs["x"] * pickle.loads(self.kept).factor}
+"""
+
+
+def test_packed_models_each_find_their_own_classes_by_name():
+    with packed() as rt:
+        for model_id, factor in (("twice", "2.0"), ("thrice", "3.0")):
+            rt.load(model_id, rt.model_dir(model_id, PICKLING_MODEL.replace("FACTOR", factor)))
+        assert rt.worker_for("twice") == rt.worker_for("thrice")
+        assert list(rt.infer_fp32("twice", [1.0]).outputs[0].contents.fp32_contents) == [2.0]
+        rt.unload("thrice")
+        assert list(rt.infer_fp32("twice", [1.0]).outputs[0].contents.fp32_contents) == [2.0]
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():

@@ -94,16 +94,20 @@ def test_close_forgets_the_source_even_when_the_models_close_raises(tmp_path, co
         model.close()  # the model's own close runs again; the bytes were forgotten once
 
 
-def test_the_last_model_loaded_takes_its_module_with_it_when_it_closes(tmp_path, compiled):
-    first, last = (python.load(write_model(str(tmp_path / name), FAILING_MODEL)) for name in "ab")
+def test_each_model_file_runs_as_a_module_of_its_own_and_takes_it_with_it(tmp_path, compiled):
+    sources = [write_model(str(tmp_path / name), FAILING_MODEL) for name in "ab"]
+    first, last = (python.load(source) for source in sources)
+    names = [python.module_name(os.path.join(source, "model.py")) for source in sources]
     try:
-        module = sys.modules["mesh_custom_model"]
-        assert module.__file__ == str(tmp_path / "b" / "model.py")
+        assert names[0] != names[1]
+        assert [sys.modules[name].__file__ for name in names] == [
+            str(tmp_path / n / "model.py") for n in "ab"
+        ]
         first.close()
-        assert sys.modules["mesh_custom_model"] is module, "an earlier model leaves the later one's"
+        assert names[0] not in sys.modules and names[1] in sys.modules
     finally:
         last.close()
-    assert "mesh_custom_model" not in sys.modules
+    assert not [name for name in sys.modules if name.startswith(python.MODULE_PREFIX)]
 
 
 HELPED_MODEL = """
@@ -192,7 +196,8 @@ def test_a_folder_on_sys_path_before_its_model_loaded_stays_there(tmp_path, comp
 def test_warming_leaves_no_model_behind(compiled):
     path = list(sys.path)
     python.warm()
-    assert not {"mesh_custom_model", "mesh_warming_model"} & set(sys.modules)
+    assert "mesh_warming_model" not in sys.modules
+    assert not [name for name in sys.modules if name.startswith(python.MODULE_PREFIX)]
     assert sys.path == path and compiled() == 0
 
 

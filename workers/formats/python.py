@@ -28,6 +28,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+MODULE_PREFIX = "mesh_custom_model_"
 # Compiled model.py sources, marshalled, by their content's digest.
 _compiled: dict[bytes, bytes] = {}
 # Model folders on sys.path, by how many held models were loaded from each; and those of them
@@ -36,11 +37,17 @@ _folders_held: collections.Counter[str] = collections.Counter()
 _folders_found_on_path: set[str] = set()
 
 
+def module_name(source: str) -> str:
+    """The module a model.py runs as, one per file: in a pack, a class its code defines is found
+    through sys.modules by that name (pickle does so), which must not lead to another model's."""
+    return f"{MODULE_PREFIX}{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:16]}"
+
+
 def load(path: str, shared: bool = False) -> PythonModel:
     """The model at `path`; `shared` (in a pack): its folder is not put on sys.path."""
     source = os.path.join(path, "model.py") if os.path.isdir(path) else path
     folder = os.path.dirname(os.path.abspath(source))
-    spec = importlib.util.spec_from_file_location("mesh_custom_model", source)
+    spec = importlib.util.spec_from_file_location(module_name(source), source)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {source}")
     code, forget_compiled = _code_of(source)
@@ -54,8 +61,8 @@ def load(path: str, shared: bool = False) -> PythonModel:
     sys.modules[spec.name] = module
 
     def forget() -> None:
-        """What the drop gives back: the module, if no later load took its name, the folder's
-        place on sys.path, and the bytes."""
+        """What the drop gives back: the module, if no later load of that file took its name,
+        the folder's place on sys.path, and the bytes."""
         if sys.modules.get(spec.name) is module:
             del sys.modules[spec.name]
         if not shared:
