@@ -56,7 +56,7 @@ from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.tasks import to_the_end
-from runtime.worker import KillCause, Worker, calls_answered
+from runtime.worker import KillCause, Worker, WorkerState, calls_answered
 from workers import formats
 
 log = logging.getLogger("mesh.packs")
@@ -180,7 +180,7 @@ class Packs:
             for pack in self._packs.values()
             if pack.open
             and pack.format_name == format_name
-            and pack.worker.alive
+            and pack.worker.state not in (WorkerState.CONDEMNED, WorkerState.EXITED)
             and pack.worker not in avoid
             and model.model_id not in pack.members
             and len(pack.members) < self.settings.models_per_worker
