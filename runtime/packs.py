@@ -47,7 +47,7 @@ import logging
 import time
 
 from plumbing import lifeline
-from runtime import forkserver, memory, repacking, slowloads
+from runtime import forkserver, memory, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
@@ -56,7 +56,7 @@ from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.tasks import to_the_end
-from runtime.worker import KillCause, Worker, WorkerState, calls_answered
+from runtime.worker import KillCause, Worker, WorkerState, calls_answered, drain
 from workers import formats
 
 log = logging.getLogger("mesh.packs")
@@ -367,7 +367,7 @@ class Packs:
         """Kills a pack that holds nothing any more once it answered the calls sent to it (one left to a
         load owes the moved models'), `grace` after SIGTERM (close()); returns once it is reaped."""
         self.retire(pack)
-        await repacking.drain(pack.worker)
+        await drain(pack.worker)
         self.pool.kill(pack.worker, KillCause.UNLOAD, reason, grace)
         await asyncio.shield(pack.worker.exited)
 

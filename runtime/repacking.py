@@ -38,7 +38,7 @@ from runtime import memory, status
 from runtime.channel import PeerGone
 from runtime.model import Model, ModelState
 from runtime.tasks import to_the_end
-from runtime.worker import KillCause, Worker
+from runtime.worker import KillCause, Worker, drain
 from workers import formats
 
 if TYPE_CHECKING:
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mesh.packs")
 
-# How long a pack being ended may take to answer the calls already sent to it.
-DRAIN_SECONDS = 10.0
 # Loads sent ahead to a pack that loads on its main thread (custom models, which give way
 # meanwhile; any model where WORKER_THREADS > 1): the next one waits queued behind the one running,
 # so the pack does not idle for a round trip of the front's between loads; more would only make a
@@ -56,8 +54,6 @@ DRAIN_SECONDS = 10.0
 LOADS_AHEAD_ON_MAIN_THREAD = 2
 # The states of a model whose place in a pack moves with the pack's other models.
 _MOVING_STATES = (ModelState.READY, ModelState.LOADING)
-# How often the drain looks: the unload that set the recycle off waits for its last call.
-DRAIN_CHECK_SECONDS = 0.001
 
 # By model id, what each model moving is charged in the pack it leaves: (size, growth, load added).
 Charges = dict[str, tuple[int, int, int]]
@@ -178,9 +174,13 @@ class Repacker:
         loaded: list[Model] = []
         try:
             async with fresh.lock:
-                loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
+                try:  # a load that cannot end while the old copy lives (a lock it holds) must not wait for it
+                    async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
+                        loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
+                except TimeoutError:
+                    pass
                 if not loaded:
-                    await self._abandon(fresh, "the survivors did not load in it", otherwise)
+                    await self._abandon(fresh, "the survivors did not load in it in time", otherwise)
                     return []
                 # Its base is what its models' growth does not cover: measured once, not per model.
                 measured = await asyncio.to_thread(memory.cost_or_zero, worker.pid)
@@ -231,10 +231,17 @@ class Repacker:
             async with target.lock:  # a heal may have placed the model there meanwhile: look again
                 room = len(target.members) < self.packs.settings.models_per_worker
                 if room and target.open and target.worker.serving and _may_take(target, model):
-                    if await self._load_moved(model, emptiest, target, charges):
-                        return len(self._switch_all([model], emptiest, target))
+                    async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
+                        loaded = await self._load_moved(model, emptiest, target, charges)
+                    return len(self._switch_all([model], emptiest, target)) if loaded else 0
         except PeerGone:
             log.error("pack %r died while %s moved in", target.worker, model.model_id)
+        except TimeoutError:  # the target still runs the load (given up: send_load()), its models wait
+            self._not_moved(model, target, {"message": "its load ran past LOADTIME_TIMEOUT"})
+            async with target.lock:
+                await self.recycle(
+                    target, f"the load of {model.model_id}, moving in, ran past LOADTIME_TIMEOUT"
+                )
         return 0
 
     def _room_for(self, model: Model, others: list[Pack]) -> Pack | None:
@@ -348,16 +355,6 @@ class Repacker:
         await asyncio.shield(pack.worker.exited)
         if self.packs.on_recycle is not None:
             self.packs.on_recycle(time.monotonic() - started, moved)
-
-
-async def drain(worker: Worker, owed_for: list[str] | None = None) -> None:
-    """Waits until the worker has answered every call sent to it (those of `owed_for`'s models, if
-    given: an unloaded model is owed none), or DRAIN_SECONDS passed."""
-    deadline = time.monotonic() + DRAIN_SECONDS
-    while worker.serving and time.monotonic() < deadline:
-        if not (worker.in_flight if owed_for is None else sum(worker.calls.get(m, 0) for m in owed_for)):
-            return
-        await asyncio.sleep(DRAIN_CHECK_SECONDS)
 
 
 def switch(model: Model, old: Worker, new: Worker) -> None:

@@ -39,9 +39,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from runtime.model import Model
-from runtime.repacking import DRAIN_SECONDS, moves_with
+from runtime.repacking import moves_with
 from runtime.tasks import to_the_end
-from runtime.worker import calls_answered
+from runtime.worker import DRAIN_SECONDS, calls_answered
 
 if TYPE_CHECKING:
     from runtime.pack import Pack

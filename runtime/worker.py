@@ -32,6 +32,8 @@ from workers import protocol
 
 # How often calls_answered() looks: an unload waits for it.
 CALLS_CHECK_SECONDS = 0.001
+# How long a pack being ended may take to answer the calls already sent to it.
+DRAIN_SECONDS = 10.0
 
 
 class WorkerState(enum.Enum):
@@ -242,3 +244,13 @@ async def calls_answered(worker: Worker, model_id: str, within: float) -> bool:
             return False
         await asyncio.sleep(CALLS_CHECK_SECONDS)
     return True
+
+
+async def drain(worker: Worker, owed_for: list[str] | None = None) -> None:
+    """Waits until the worker has answered every call sent to it (those of `owed_for`'s models, if
+    given: an unloaded model is owed none), or DRAIN_SECONDS passed."""
+    deadline = time.monotonic() + DRAIN_SECONDS
+    while worker.serving and time.monotonic() < deadline:
+        if not (worker.in_flight if owed_for is None else sum(worker.calls.get(m, 0) for m in owed_for)):
+            return
+        await asyncio.sleep(CALLS_CHECK_SECONDS)

@@ -620,6 +620,42 @@ def test_packed_models_each_find_their_own_classes_by_name():
         assert list(rt.infer_fp32("twice", [1.0]).outputs[0].contents.fp32_contents) == [2.0]
 
 
+# Holds an exclusive lock on a file of its folder for as long as it lives (a cache's, a database's):
+# a second copy's load waits for the first one's end.
+LOCKING_MODEL = """
+    import fcntl, os
+
+    class Model:
+        def __init__(self, path):
+            self.lock = open(os.path.join(path, "cache.lock"), "w")
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_survivor_that_cannot_load_beside_its_old_copy_heals_once_the_recycle_gives_it_up():
+    with packed(LOADTIME_TIMEOUT="3000") as rt:
+        rt.load("locker", rt.model_dir("locker", LOCKING_MODEL))
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        rt.unload("leaky")  # recycles the pack: the fresh one's copy of locker waits for the lock
+        assert "the survivors did not load in it in time" in rt.log()
+        wait_until(lambda: answers_by_now(rt, "locker"), timeout=30, what="locker healed")
+
+
+def test_a_model_that_cannot_load_beside_its_old_copy_is_given_up_by_a_compaction_and_heals():
+    with packed(LOADTIME_TIMEOUT="3000") as rt:
+        echo = rt.model_dir("echo")
+        for n in range(4):
+            rt.load(f"a{n}", echo)  # a full pack
+        rt.load("locker", rt.model_dir("locker", LOCKING_MODEL))  # alone in another
+        rt.unload("a0")  # compacts locker's pack into the first, whose copy waits for the lock
+        assert "moving in, ran past LOADTIME_TIMEOUT" in rt.log()
+        wait_until(lambda: answers_by_now(rt, "locker"), timeout=30, what="locker healed")
+        assert all(answers(rt, f"a{n}") for n in range(1, 4))
+
+
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
     with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
         rt.load("echo", rt.model_dir("echo"))

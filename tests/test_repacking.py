@@ -9,7 +9,7 @@ import types
 import pytest
 from standins import StandInPool, StandInWorker, holding, ready_model, until
 
-from runtime import memory, packs, repacking
+from runtime import memory, packs, worker
 from runtime.healing import Healer
 from runtime.settings import Settings
 from runtime.worker import WorkerState
@@ -140,7 +140,7 @@ def test_a_failed_heal_does_not_drop_its_model_from_the_pack_a_move_has_just_put
 
 def test_an_unload_whose_calls_run_past_the_grace_recycles_the_pack_instead_of_waiting_for_them(monkeypatch):
     monkeypatch.setattr(packs, "CALLS_GRACE_SECONDS", 0.05)
-    monkeypatch.setattr(repacking, "DRAIN_SECONDS", 0.05)
+    monkeypatch.setattr(worker, "DRAIN_SECONDS", 0.05)
 
     async def scenario():
         fresh = StandInWorker("F", WorkerState.SPARE)
