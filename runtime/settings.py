@@ -23,16 +23,21 @@ class SettingsError(ValueError):
     """A bad environment value; the message names the variable."""
 
 
-# Settings that must each admit a request of GRPC_MAX_MESSAGE_BYTES, or such a request could never run.
-_ADMIT_A_WHOLE_MESSAGE = ("MODEL_BYTES_MAX", "FRONT_BYTES_MAX")
+# Settings that must each admit so many messages of GRPC_MAX_MESSAGE_BYTES: a request, or such a
+# request could never run; the front's, a request being read beside an answer held until its
+# client reads it (runtime/budget.py), or one unread answer would stop every read, or be refused.
+_ADMIT_WHOLE_MESSAGES = {
+    "MODEL_BYTES_MAX": (1, "GRPC_MAX_MESSAGE_BYTES"),
+    "FRONT_BYTES_MAX": (2, "2 x GRPC_MAX_MESSAGE_BYTES"),
+}
 
 
 def _check_together(values: dict[str, Any]) -> None:
     largest = values["grpc_max_message_bytes"]
-    for name in _ADMIT_A_WHOLE_MESSAGE:
-        if values[name.lower()] < largest:
+    for name, (messages, least) in _ADMIT_WHOLE_MESSAGES.items():
+        if values[name.lower()] < messages * largest:
             raise SettingsError(
-                f"{name}: must be at least GRPC_MAX_MESSAGE_BYTES ({largest}), got {values[name.lower()]}"
+                f"{name}: must be at least {least} ({messages * largest}), got {values[name.lower()]}"
             )
 
 

@@ -346,7 +346,7 @@ VARIABLES: tuple[Variable, ...] = (
         "bytes of requests (and of responses of 64 KiB or more, until sent: at most half of it, and "
         "never so much that a GRPC_MAX_MESSAGE_BYTES request cannot be read) all calls together may "
         "hold in the front; a call that would pass it gets RESOURCE_EXHAUSTED at once (at least "
-        "GRPC_MAX_MESSAGE_BYTES)",
+        "2 x GRPC_MAX_MESSAGE_BYTES)",
         parse.at_least(1),
         default_text="container memory / 16, at least 2 x GRPC_MAX_MESSAGE_BYTES",
     ),

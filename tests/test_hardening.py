@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 from harness import (
@@ -425,20 +426,27 @@ WAITING_MODEL = """
 def test_model_mesh_and_health_calls_do_not_wait_behind_inference_calls_for_room_to_read():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    whole = "17825792"  # GRPC_MAX_MESSAGE_BYTES: no room to read another call while one is held
-    with Runtime(FRONT_BYTES_MAX=whole, MODEL_BYTES_MAX=whole) as runtime:
-        folder = runtime.model_dir("waiting", WAITING_MODEL)
+    whole = 17825792  # GRPC_MAX_MESSAGE_BYTES: two held calls of over half of it leave no room to read
+    with Runtime(FRONT_BYTES_MAX=str(2 * whole), MODEL_BYTES_MAX=str(2 * whole)) as runtime:
+        small_answers = WAITING_MODEL.replace(
+            "return dict(inputs)", "return {k: v[:1] for k, v in inputs.items()}"
+        )
+        folder = runtime.model_dir("waiting", small_answers)
         runtime.load("waiting", folder)
         runtime.load("other", runtime.model_dir("other"))
-        held = concurrent.futures.ThreadPoolExecutor(1).submit(runtime.infer_fp32, "waiting", [1.0])
-        wait_until(lambda: os.path.exists(os.path.join(folder, "begun")), timeout=10, what="the call held")
+        callers = concurrent.futures.ThreadPoolExecutor(2)
+        big = np.zeros(whole // 2 // 4 + 1024, dtype=np.float32)
+        calls = [callers.submit(runtime.infer_fp32, "waiting", big) for _ in range(2)]
+        wait_until(lambda: os.path.exists(os.path.join(folder, "begun")), timeout=10, what="a call held")
+        time.sleep(0.5)  # the second one read too, queued in the worker
         runtime.mesh.unloadModel(mm.UnloadModelRequest(modelId="other"), timeout=5)
         assert runtime.mesh.modelSize(mm.ModelSizeRequest(modelId="waiting"), timeout=5).sizeInBytes > 0
         health = health_pb2_grpc.HealthStub(runtime.channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-        assert runtime.infer.ServerLive(v2.ServerLiveRequest(), timeout=5).live and not held.done()
+        assert runtime.infer.ServerLive(v2.ServerLiveRequest(), timeout=5).live
+        assert not any(call.done() for call in calls)
         open(os.path.join(folder, "go"), "w").close()
-        assert held.result(timeout=10).outputs
+        assert all(call.result(timeout=30).outputs for call in calls)
 
 
 def _never_sent(release: threading.Event):

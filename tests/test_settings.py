@@ -62,7 +62,8 @@ def test_values_are_typed():
         ("LOG_LEVEL", "loud", "one of"),
         ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
         ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
-        ("FRONT_BYTES_MAX", "1000", "at least GRPC_MAX_MESSAGE_BYTES"),
+        ("FRONT_BYTES_MAX", "1000", "at least 2 x GRPC_MAX_MESSAGE_BYTES"),
+        ("FRONT_BYTES_MAX", "17825792", "at least 2 x GRPC_MAX_MESSAGE_BYTES (35651584)"),
     ],
 )
 def test_bad_value_names_the_variable(name, value, words):
