@@ -71,11 +71,12 @@ class BlockNotes:
         self._fd = os.open(
             record, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
         )
-        self._lines = 0  # written since the record was last compacted
+        self._lines = 0  # in the record, as this process wrote it
+        self._compact_at = COMPACT_AFTER_LINES
+        self._pid = os.getpid()  # a child it forks appends, and leaves the compacting to it
         self._lock = threading.Lock()
-        self._thread = (
-            threading.local()
-        )  # .model_id: whose code runs; .creating: in SharedMemory(create=True)
+        # .model_id: whose code runs on the thread; .creating: in SharedMemory(create=True)
+        self._thread = threading.local()
         os.register_at_fork(after_in_child=self._after_fork)
 
     def made_by(self, model_id: str | None) -> None:
@@ -113,37 +114,44 @@ class BlockNotes:
             try:
                 os.write(self._fd, (json.dumps(line) + "\n").encode())
                 self._lines += 1
-                if self._lines >= COMPACT_AFTER_LINES:
+                if self._lines >= self._compact_at and os.getpid() == self._pid:
                     self._compact()
             except OSError as error:  # a full disk: the tracker still unlinks it when the runtime stops
                 log.warning("could not record shared-memory block %s: %s", line[1], error)
 
     def _compact(self) -> None:
-        """Rewrites the record with only the blocks still live, once most of its lines cancel out."""
+        """Rewrites the record with only the blocks still live, once most of its lines cancel out;
+        the next time it has four times as many lines as it kept, or COMPACT_AFTER_LINES."""
         live = recorded_blocks(self.record)
-        if len(live) * 4 > self._lines:
-            return
-        os.ftruncate(self._fd, 0)
-        os.write(
-            self._fd,
-            b"".join((json.dumps(["+", *block, owner]) + "\n").encode() for block, owner in live.items()),
-        )
-        self._lines = len(live)
+        if len(live) * 4 <= self._lines:
+            os.ftruncate(self._fd, 0)
+            lines = (json.dumps(["+", *block, owner]) + "\n" for block, owner in live.items())
+            os.write(self._fd, "".join(lines).encode())
+            self._lines = len(live)
+        self._compact_at = max(COMPACT_AFTER_LINES, 4 * len(live))
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()  # another thread may have held it at the fork
 
 
-def note_blocks(runtime_dir: str, runtime_root: int) -> BlockNotes:
-    """Makes this process note the blocks its models make, beside multiprocessing's resource tracker."""
+def note_blocks(runtime_dir: str, runtime_root: int) -> BlockNotes | None:
+    """Makes this process note the blocks its models make, beside multiprocessing's resource
+    tracker; None where it cannot keep a record (the tracker alone unlinks them then)."""
     from multiprocessing import resource_tracker, shared_memory
 
     register, unregister = resource_tracker.register, resource_tracker.unregister
     identity = lifeline.process_identity(os.getpid())
     assert identity is not None  # this very process
-    notes = BlockNotes(
-        record_path(runtime_dir, identity), runtime_root, lambda name: unregister(name, RESOURCE_TYPE)
-    )
+    try:
+        os.makedirs(records_folder(runtime_dir), mode=0o700, exist_ok=True)
+        record = record_path(runtime_dir, identity)
+        notes = BlockNotes(record, runtime_root, lambda name: unregister(name, RESOURCE_TYPE))
+    except OSError as error:
+        log.warning(
+            "cannot record the shared-memory blocks models make (%s): they stay until the runtime stops",
+            error,
+        )
+        return None
 
     def registering(name: Sized, rtype: str) -> None:
         register(name, rtype)
@@ -209,10 +217,10 @@ def mapped(paths: list[str], pids: Iterable[int], ending_group: int | None = Non
     """Those of `paths` that a living process of `pids` maps (not one of `ending_group`)."""
     wanted, found = set(paths), set()
     for pid in pids:
-        identity = lifeline.process_identity(pid)
-        if identity is None or not lifeline.lives(identity) or os.getpgid(pid) == ending_group:
-            continue
         try:
+            identity = lifeline.process_identity(pid)
+            if identity is None or not lifeline.lives(identity) or os.getpgid(pid) == ending_group:
+                continue
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     path = "/" + line.rstrip("\n").partition(" /")[2]
@@ -225,7 +233,7 @@ def mapped(paths: list[str], pids: Iterable[int], ending_group: int | None = Non
 
 def recorded_blocks(record: str) -> dict[Block, str | None]:
     """The blocks a record names as made and not unlinked, with the model that made each."""
-    live: dict[Block, str | None] = {}
+    live: dict[str, tuple[int, str | None]] = {}  # by name: /dev/shm holds one file of a name at a time
     try:
         with open(os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)) as lines:
             for line in lines:
@@ -234,12 +242,12 @@ def recorded_blocks(record: str) -> dict[Block, str | None]:
                 except (ValueError, TypeError):
                     continue  # a line cut short by a kill
                 if op == "+" and isinstance(name, str) and len(rest) == 2 and isinstance(rest[0], int):
-                    live[(name, rest[0])] = rest[1] if isinstance(rest[1], str) else None
+                    live[name] = (rest[0], rest[1] if isinstance(rest[1], str) else None)
                 elif op == "-":
-                    live = {block: owner for block, owner in live.items() if block[0] != name}
+                    live.pop(name, None)
     except OSError:
         return {}
-    return live
+    return {(name, inode): owner for name, (inode, owner) in live.items()}
 
 
 def unlink_recorded(

@@ -100,7 +100,12 @@ class ProcessRegistry:
         self, record: str, forget: Callable[[str], None], ending_group: int | None = None
     ) -> None:
         worker = os.path.basename(record)
-        for name, size in shmblocks.unlink_recorded(record, os.getpid(), forget, ending_group):
+        try:
+            unlinked = shmblocks.unlink_recorded(record, os.getpid(), forget, ending_group)
+        except Exception:  # the reap goes on: a block left stays until the runtime stops
+            log.exception("unlinking the shared-memory blocks that worker %s left failed", worker)
+            return
+        for name, size in unlinked:
             log.info(
                 "unlinked shared-memory block %s (%.1f MiB) that the models of worker %s left%s",
                 name,

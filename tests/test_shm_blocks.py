@@ -229,12 +229,37 @@ def test_a_record_unlinks_only_the_file_made_that_nothing_maps(tmp_path, scratch
 def test_a_record_keeps_to_the_blocks_still_live(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "register_at_fork", lambda **_: None)
     notes = shmblocks.BlockNotes(str(tmp_path / "1-2"), os.getpid(), lambda name: None)
-    notes.creating(True)
-    for n in range(shmblocks.COMPACT_AFTER_LINES):
-        notes._write(["+", f"/b{n}", n, "m"])
-        notes._write(["-", f"/b{n}"])
-    assert len(open(notes.record).readlines()) < shmblocks.COMPACT_AFTER_LINES
-    assert shmblocks.recorded_blocks(notes.record) == {}
+    kept = {(f"/kept{n}", n): "m" for n in range(100)}
+    for (name, inode), owner in kept.items():
+        notes._write(["+", name, inode, owner])
+    for n in range(shmblocks.COMPACT_AFTER_LINES):  # a scratch block made and unlinked per call
+        notes._write(["+", f"/scratch{n}", 1000 + n, "m"])
+        notes._write(["-", f"/scratch{n}"])
+    assert len(open(notes.record).readlines()) < 4 * len(kept)
+    assert shmblocks.recorded_blocks(notes.record) == kept
+
+
+def test_a_forked_child_appends_to_the_record_and_leaves_compacting_to_its_worker(tmp_path, monkeypatch):
+    monkeypatch.setattr(shmblocks, "COMPACT_AFTER_LINES", 4)
+    notes = shmblocks.BlockNotes(str(tmp_path / "1-2"), os.getpid(), lambda name: None)
+    notes._write(["+", "/kept", 1, "m"])
+    child = os.fork()
+    if child == 0:  # a helper the model forked, making and unlinking blocks
+        for n in range(20):
+            notes._write(["+", f"/scratch{n}", 10 + n, "m"])
+            notes._write(["-", f"/scratch{n}"])
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert len(open(notes.record).readlines()) == 41  # nothing rewritten under the worker
+    notes._write(["+", "/late", 2, "m"])  # the worker's next line compacts
+    assert shmblocks.recorded_blocks(notes.record) == {("/kept", 1): "m", ("/late", 2): "m"}
+
+
+def test_a_worker_that_cannot_keep_a_record_leaves_its_blocks_to_the_tracker(tmp_path, caplog):
+    blocked = tmp_path / "run"
+    blocked.write_text("a file where the folder would be")
+    assert shmblocks.note_blocks(str(blocked), os.getpid()) is None
+    assert "cannot record the shared-memory blocks" in caplog.text
 
 
 def test_names_outside_dev_shm_name_no_block():

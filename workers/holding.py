@@ -177,7 +177,14 @@ class Holdings:
 
     def _unlink_blocks_of(self, model_id: str) -> None:
         """Unlinks the blocks it left, which would keep their memory in /dev/shm after its drop."""
-        for name, size in self.blocks.unlink_blocks_of(model_id) if self.blocks else []:
+        try:
+            unlinked = self.blocks.unlink_blocks_of(model_id) if self.blocks else []
+        except Exception:  # the drop goes on: the front unlinks them once the pack is reaped
+            log.exception(
+                "unlinking the shared-memory blocks %s left failed", model_id, extra={"model_id": model_id}
+            )
+            return
+        for name, size in unlinked:
             log.info(
                 "unlinked shared-memory block %s (%.1f MiB) that %s left",
                 name,
