@@ -40,6 +40,9 @@ CONTROL_READ_SECONDS = 5.0
 # Each message of a method that streams requests: reflection's name a symbol or a file, and are
 # echoed back in its answers, which grpc holds, outside any budget, until the client reads them.
 STREAMED_REQUEST_MAX = 65536
+# Calls of such a method at once: grpc reads each message whole (up to GRPC_MAX_MESSAGE_BYTES)
+# before it can be refused.
+STREAMING_CALLS_MAX = 2
 
 _ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
@@ -115,13 +118,13 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
     is read under `budget`: unary-unary as stream-unary, unary-stream (health's Watch) as
     stream-stream.
 
-    Methods that stream requests (reflection's) read each message under `budget`
-    as the servicer asks for it, and refuse one over STREAMED_REQUEST_MAX.
+    Methods that stream requests (reflection's) are bounded otherwise
+    (_streaming_under).
     """
     if handler is None:
         return handler
     if handler.request_streaming:
-        return _streaming_under(handler, budget)
+        return _streaming_under(handler)
     deserialize, serializer = handler.request_deserializer, handler.response_serializer
     if handler.response_streaming:
         answer_stream = handler.unary_stream
@@ -144,43 +147,48 @@ def budgeted(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMeth
     return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
 
 
-def _streaming_under(handler: grpc.RpcMethodHandler, budget: ByteBudget) -> grpc.RpcMethodHandler:
-    """budgeted() for a method that streams requests, and answers with one or a stream."""
+def _streaming_under(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A method that streams requests (reflection's), with at most STREAMING_CALLS_MAX of its calls
+    at once and each message at most STREAMED_REQUEST_MAX. Not under the control methods' budget:
+    a stream waits for its client's next message for as long as that client likes, and would hold
+    one of that budget's reads meanwhile (and be ended CONTROL_READ_SECONDS on)."""
     deserialize, serializer = handler.request_deserializer, handler.response_serializer
-    if not handler.response_streaming:
-        answer_one = handler.stream_unary
+    behaviour = handler.stream_stream if handler.response_streaming else handler.stream_unary
+    open_calls = 0
 
-        async def serve(request_iterator, context):
-            return await answer_one(_budgeted_requests(budget, context, deserialize), context)
-
-        return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
-    answer_stream = handler.stream_stream
-
-    async def serve_stream(request_iterator, context):
-        answers = answer_stream(_budgeted_requests(budget, context, deserialize), context)
-        if inspect.isasyncgen(answers):
-            async for answer in answers:
-                await context.write(answer)
-        else:  # a coroutine that writes its answers itself
-            await answers
-
-    return grpc.stream_stream_rpc_method_handler(serve_stream, response_serializer=serializer)
-
-
-async def _budgeted_requests(budget: ByteBudget, context, deserialize) -> AsyncIterator[Any]:
-    """The call's request messages, each read under `budget`; the call is aborted past a limit."""
-    while True:
-        message = None
+    async def serve(request_iterator, context):
+        nonlocal open_calls
+        if open_calls >= STREAMING_CALLS_MAX:
+            await status.abort(context, status.too_many_streams(STREAMING_CALLS_MAX))
+        open_calls += 1
         try:
-            message = await _read_message(budget, (context, None, ()))
-            if message is grpc.aio.EOF:
-                return
+            answers = behaviour(_capped_requests(context, deserialize), context)
+            if not handler.response_streaming:
+                return await answers
+            if inspect.isasyncgen(answers):
+                async for answer in answers:
+                    await context.write(answer)
+            else:  # a coroutine that writes its answers itself
+                await answers
+        finally:
+            open_calls -= 1
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(serve, response_serializer=serializer)
+    return grpc.stream_unary_rpc_method_handler(serve, response_serializer=serializer)
+
+
+async def _capped_requests(context, deserialize) -> AsyncIterator[Any]:
+    """The call's request messages; the call is aborted at one over STREAMED_REQUEST_MAX."""
+    while (message := await context.read()) is not grpc.aio.EOF:
+        try:
             if len(message) > STREAMED_REQUEST_MAX:
                 raise status.streamed_request_too_big(len(message), STREAMED_REQUEST_MAX)
-            yield message if deserialize is None else _deserialized(deserialize, message)
+            request = message if deserialize is None else _deserialized(deserialize, message)
         except status.RpcError as error:
             del message  # the abort's traceback holds this frame: not the message with it
             await status.abort(context, error)
+        yield request
 
 
 async def _budgeted_request(budget: ByteBudget, context, deserialize):

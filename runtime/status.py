@@ -165,6 +165,10 @@ def streamed_request_too_big(size: int, limit: int) -> RpcError:
     )
 
 
+def too_many_streams(limit: int) -> RpcError:
+    return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} calls of this method are open already")
+
+
 def request_not_sent(seconds: float) -> RpcError:
     return invalid_argument(f"the call's request did not come within {seconds:g} s of its start")
 

@@ -214,6 +214,33 @@ def test_reflection_answers_several_requests_of_a_stream_and_refuses_a_huge_one(
     assert len(list(stub.ServerReflectionInfo(iter(asked)))) == len(SERVICES)  # and answers on
 
 
+def test_open_reflection_streams_are_bounded_in_number_and_hold_no_other_calls_up(served):
+    stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    release = threading.Event()
+
+    def one_request_then_wait():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        release.wait(30)
+
+    opened = [stub.ServerReflectionInfo(one_request_then_wait()) for _ in range(reading.STREAMING_CALLS_MAX)]
+    try:
+        for stream in opened:
+            assert next(stream).list_services_response.service  # answered, and left open
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        health = health_pb2_grpc.HealthStub(served.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # no read of its budget held
+    finally:
+        release.set()
+    for stream in opened:
+        assert list(stream) == []  # ended once its client half-closed
+    assert (
+        len(list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+        == 1
+    )
+
+
 def test_unknown_method_is_unimplemented(served):
     raw = served.channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
     expect_status(grpc.StatusCode.UNIMPLEMENTED, raw, b"", metadata=mesh_headers("served"))
