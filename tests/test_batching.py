@@ -1,4 +1,4 @@
-"""Calls queued together share one predict on row-wise models (workers/batching.py, Worker.on_calls).
+"""Calls queued together share one predict on row-wise models (workers/batching.py, Worker.replies_as_made).
 
 In-process: a Worker whose socket nobody serves, handed the calls the way
 receive_queued hands them over. The end-to-end check with scikit-learn is
@@ -97,8 +97,23 @@ def calls(*bodies, deadline=None):
     ]
 
 
+def in_order(worker, queued):
+    """The replies to calls queued together, in the calls' order."""
+    replies = dict(worker.replies_as_made(queued))
+    return [replies[header["id"]] for header, _ in queued]
+
+
+def test_each_groups_replies_come_as_soon_as_it_is_predicted(worker):
+    # The front times a call from when its worker begins it: when the reply before it comes.
+    model = worker.models.by_id["m"].model
+    replies = worker.replies_as_made(calls(request([[1, 2]]), request([[3, 4]], outputs=["y"])))
+    first_id, _ = next(replies)
+    assert model.batches == [1]  # the other group (another output asked for) is not predicted yet
+    assert [request_id for request_id, _ in replies] != [first_id] and model.batches == [1, 1]
+
+
 def answers(replies):
-    """[(ok, error kind, values of output y)] of on_calls' replies."""
+    """[(ok, error kind, values of output y)] of the replies."""
     out = []
     for frames in replies:
         header = msgpack.unpackb(frames[0])
@@ -118,7 +133,7 @@ def answers(replies):
 
 
 def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
-    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4], [5, 6]]), request([[7, 8]])))
+    replies = in_order(worker, calls(request([[1, 2]]), request([[3, 4], [5, 6]]), request([[7, 8]])))
     assert worker.models.by_id["m"].model.batches == [4]
     assert answers(replies) == [
         (True, None, [[2, 4]]),
@@ -128,7 +143,7 @@ def test_alike_calls_share_one_predict_and_get_their_own_rows(worker):
 
 
 def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
-    replies = worker.on_calls(calls(request([[1, 2]], raw=True), request([[3, 4]])))
+    replies = in_order(worker, calls(request([[1, 2]], raw=True), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [2]
     assert [len(frames) for frames in replies] == [3, 2], "the raw call's output travels as its own frame"
     assert answers(replies) == [(True, None, [[2, 4]]), (True, None, [[6, 8]])]
@@ -136,7 +151,7 @@ def test_raw_and_typed_calls_each_get_their_own_form_back(worker):
 
 def test_batches_hold_at_most_batch_max_calls(worker):
     worker.batch_max = 2
-    replies = worker.on_calls(calls(*[request([[i, i]]) for i in range(5)]))
+    replies = in_order(worker, calls(*[request([[i, i]]) for i in range(5)]))
     assert sorted(worker.models.by_id["m"].model.batches) == [1, 2, 2]
     assert [a[2] for a in answers(replies)] == [[[2 * i, 2 * i]] for i in range(5)]
 
@@ -149,7 +164,7 @@ def test_calls_that_differ_run_apart(worker):
         request([[8, 9]], outputs=["y"]),
         request([[1, 1]]),
     ]
-    replies = worker.on_calls(calls(*bodies))
+    replies = in_order(worker, calls(*bodies))
     assert sorted(worker.models.by_id["m"].model.batches) == [1, 1, 1, 2], (
         "only the first and last call look alike"
     )
@@ -157,7 +172,7 @@ def test_calls_that_differ_run_apart(worker):
 
 
 def test_a_bad_request_fails_alone(worker):
-    replies = worker.on_calls(calls(request([[1, 2]]), b"\xff\xff not protobuf", request([[3, 4]])))
+    replies = in_order(worker, calls(request([[1, 2]]), b"\xff\xff not protobuf", request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [2]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (True, None),
@@ -171,7 +186,7 @@ def test_an_expired_call_is_not_run(worker):
     fresh = calls(request([[1, 2]]), request([[3, 4]]))
     for index, (header, _) in enumerate(fresh):
         header["id"] = 200 + index
-    replies = worker.on_calls(expired + fresh)
+    replies = in_order(worker, expired + fresh)
     assert worker.models.by_id["m"].model.batches == [2], "the expired call's rows were predicted"
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (False, protocol.ERROR_EXPIRED),
@@ -181,7 +196,7 @@ def test_an_expired_call_is_not_run(worker):
 
 
 def test_a_failing_batch_is_retried_call_by_call(worker):
-    replies = worker.on_calls(calls(request([[1, 2]]), request([[666, 0]]), request([[3, 4]])))
+    replies = in_order(worker, calls(request([[1, 2]]), request([[666, 0]]), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [3, 1, 1, 1]
     assert [(ok, kind) for ok, kind, _ in answers(replies)] == [
         (True, None),
@@ -192,7 +207,7 @@ def test_a_failing_batch_is_retried_call_by_call(worker):
 
 def test_outputs_that_are_not_per_row_are_retried_call_by_call(worker):
     hold(worker, RowModel(per_row=False), "sklearn", batches_rows=True)
-    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    replies = in_order(worker, calls(request([[1, 2]]), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [2, 1, 1]
     assert [values for _, _, values in answers(replies)] == [[3.0], [7.0]]
 
@@ -211,7 +226,7 @@ def test_outputs_that_are_lists_are_retried_call_by_call(worker):
     # Two calls of one row: the list's length equals the rows in all, so splitting it would hand
     # each call one output of both calls' rows.
     hold(worker, PerOutputModel(), "sklearn", batches_rows=True)
-    replies = worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    replies = in_order(worker, calls(request([[1, 2]]), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [2, 1, 1]
     first, second = [values for _, _, values in answers(replies)]
     assert first == [[[2.0, 4.0]], [[3.0, 6.0]]] and second == [[[6.0, 8.0]], [[9.0, 12.0]]]
@@ -219,7 +234,7 @@ def test_outputs_that_are_lists_are_retried_call_by_call(worker):
 
 def test_models_that_are_not_row_wise_never_share(worker):
     hold(worker, worker.models.by_id["m"].model, "sklearn", batches_rows=False)
-    worker.on_calls(calls(request([[1, 2]]), request([[3, 4]])))
+    in_order(worker, calls(request([[1, 2]]), request([[3, 4]])))
     assert worker.models.by_id["m"].model.batches == [1, 1]
 
 
@@ -310,7 +325,7 @@ def test_calls_for_two_models_of_a_pack_never_share_a_predict(worker):
     queued = calls(request([[1, 2]]), request([[3, 4]]), request([[5, 6]]), request([[7, 8]]))
     for (header, _), model_id in zip(queued, ("a", "b", "a", "b"), strict=True):
         header["model"] = model_id
-    replies = worker.on_calls(queued)
+    replies = in_order(worker, queued)
     assert (first.batches, second.batches) == ([2], [2]), "each model predicts its own two calls at once"
     assert [values for _, _, values in answers(replies)] == [
         [[2.0, 4.0]],

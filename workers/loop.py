@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -167,7 +167,7 @@ class Worker:
                 break
 
     def handle(self, messages: list[tuple[bytes, list]]) -> None:
-        """Answers messages in order; a row-wise model's calls that arrived together go to on_calls."""
+        """Answers messages in order; a row-wise model's calls that arrived together go to replies_as_made."""
         calls: list[tuple[dict, list]] = []
         for header_frame, payloads in messages:
             try:
@@ -188,7 +188,7 @@ class Worker:
             elif op == protocol.OP_CALL:
                 self.send(self.on_call(header, payloads))  # answered at once, not after the rest
             elif op in self.handlers:
-                for reply in self.on_calls(calls):  # calls that came first are answered first
+                for _, reply in self.replies_as_made(calls):  # calls that came first are answered first
                     self.send(reply)
                 calls = []
                 self.mark_running(header.get("model_id"), main_thread=True)  # a load, or a drop and close()
@@ -198,7 +198,7 @@ class Worker:
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
         if calls:
-            for reply in self.on_calls(calls):
+            for _, reply in self.replies_as_made(calls):
                 self.send(reply)
 
     def out_of_ring(self, header: dict, payloads: list) -> list | None:
@@ -233,25 +233,26 @@ class Worker:
             lifeline.kill_children()
             os._exit(0)
 
-    def on_calls(self, calls: list[tuple[dict, list]]) -> list[list]:
-        """Replies to calls that were queued together, in their order.
+    def replies_as_made(self, calls: list[tuple[dict, list]]) -> Iterator[tuple[int, list]]:
+        """(request id, reply) of each of the calls that were queued together, as soon as it is made:
+        the front times a call from when its worker begins it, when the one before is answered.
 
         A row-wise model predicts alike ModelInfer calls at once
         (workers/batching.py); every other call runs on its own.
         """
         if len(calls) < 2 or not self.models.batches_rows:
-            return [self.on_call(header, payloads) for header, payloads in calls]
-        replies: dict[int, list] = {}
+            for header, payloads in calls:
+                yield header["id"], self.on_call(header, payloads)
+            return
         decoded: list[batching.InferCall] = []
         for header, payloads in calls:
             call = self._decoded_for_batch(header, payloads)
             if call is None:
-                replies[header["id"]] = self.on_call(header, payloads)
+                yield header["id"], self.on_call(header, payloads)
             else:
                 decoded.append(call)
         for group in batching.groups(decoded, self.batch_max):
-            replies.update(self._predict_group(group))
-        return [replies[header["id"]] for header, _ in calls]
+            yield from self._predict_group(group).items()
 
     def on_call(self, header: dict, payloads: list) -> list:
         request_id, method = header["id"], header["method"]
