@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import zmq
@@ -27,10 +27,11 @@ log = logging.getLogger("mesh.channel")
 class PeerGone(Exception):
     """The worker a request went to died before replying."""
 
-    def __init__(self, exit_code: int | None, cause: str = ""):
+    def __init__(self, exit_code: int | None, cause: str = "", begun: bool = True):
         super().__init__(f"worker exited ({cause or exit_code})")
         self.exit_code = exit_code
         self.cause = cause  # why it died, where the front knows better than its exit code
+        self.begun = begun  # the worker may have begun the request (see Channel._start_clocks)
 
 
 class _Request:
@@ -42,7 +43,7 @@ class _Request:
     is still busy with it.
     """
 
-    __slots__ = ("peer", "future", "on_end", "overdue", "timer")
+    __slots__ = ("peer", "future", "on_end", "overdue", "timer", "model")
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class _Request:
         self.peer, self.future, self.on_end = peer, future, on_end
         self.overdue = overdue  # (seconds after the worker begins it, the error to end it with then)
         self.timer: asyncio.TimerHandle | None = None  # armed once the worker has begun it
+        self.model: str | None = None  # a call's model
 
 
 class Channel:
@@ -156,7 +158,8 @@ class Channel:
         overdue = (
             (overdue_after, on_overdue) if overdue_after is not None and on_overdue is not None else None
         )
-        self._pending[request_id] = _Request(peer, future, on_end, overdue)
+        request = self._pending[request_id] = _Request(peer, future, on_end, overdue)
+        request.model = fields.get("model")
         self._by_peer.setdefault(peer, {})[request_id] = None
         self._start_clocks(peer)
         try:
@@ -178,6 +181,11 @@ class Channel:
         """submit(), awaited."""
         return await self.submit(peer, op, payloads, **fields)
 
+    def owes_begun(self, peer: bytes, models: Collection[str]) -> bool:
+        """Whether the worker has begun a call of one of `models` (as _start_clocks() takes it)."""
+        begun = itertools.islice(self._by_peer.get(peer, ()), self.runs_at_once)
+        return any(self._pending[request_id].model in models for request_id in begun)
+
     def _start_clocks(self, peer: bytes) -> None:
         """Arms the overdue timer of each request the worker has begun by now: the first
         `runs_at_once` of those it has not answered."""
@@ -196,9 +204,10 @@ class Channel:
             self._end(request_id, error=on_overdue())
 
     def fail_peer(self, peer: bytes, exit_code: int | None, cause: str = "") -> None:
-        """Fails every request waiting on `peer`, which has died, and frees its rings."""
-        for request_id in list(self._by_peer.get(peer, ())):
-            self._end(request_id, error=PeerGone(exit_code, cause))
+        """Fails every request waiting on `peer`, which has died, and frees its rings; each says
+        whether the worker had begun it, as _start_clocks() takes it to."""
+        for place, request_id in enumerate(list(self._by_peer.get(peer, ()))):
+            self._end(request_id, error=PeerGone(exit_code, cause, begun=place < self.runs_at_once))
         self.rings.forget(peer)
 
     def _end(self, request_id: int, result: Any = None, error: BaseException | None = None) -> None:

@@ -29,6 +29,16 @@ log = logging.getLogger("mesh.dispatch")
 REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
 # How long a call that found its worker gone waits for the reap, which tells how it died.
 REAP_WAIT_SECONDS = 0.5
+# How many times a call is sent again when a recycle ends the pack it was queued in.
+RESENDS_MAX = 2
+
+
+class _CallLost(Exception):
+    """The worker a call went to died before it answered, and the call is not sent again."""
+
+    def __init__(self, worker: Worker, gone: PeerGone):
+        super().__init__(str(gone))
+        self.worker, self.gone = worker, gone
 
 
 class Dispatcher:
@@ -59,27 +69,44 @@ class Dispatcher:
         self, model: Model, method: str, request: bytes, timeout: float | None
     ) -> tuple[Worker, dict, list]:
         """Picks a replica, sends the call and awaits its reply; the deadline covers time in line too."""
-        worker = None
         deadline = None if timeout is None else time.time() + timeout
         try:
             if timeout is None:  # no deadline, no timer
-                worker = model.replicas.try_acquire() or await model.replicas.acquire()
-                reply, frames = await self._send(model, worker, method, request, None)
-            else:
-                async with asyncio.timeout(timeout):
-                    worker = await model.replicas.acquire()
-                    reply, frames = await self._send(model, worker, method, request, deadline)
+                return await self._send_to_a_replica(model, method, request, None)
+            async with asyncio.timeout(timeout):
+                return await self._send_to_a_replica(model, method, request, deadline)
         except TimeoutError:
             raise status.deadline_exceeded(model.model_id) from None
-        except PeerGone as gone:
-            if worker is not None and gone.exit_code is None and not gone.cause and not worker.kill_cause:
-                # Found gone before it was reaped (its socket unreachable), not by our kill: its reap
-                # says how it died. Not past the call's deadline: mesh may try another instance.
-                left = REAP_WAIT_SECONDS if deadline is None else deadline - time.time()
-                await worker.reaped_within(min(REAP_WAIT_SECONDS, left))
-                gone = PeerGone(worker.exit_code(), worker.death_cause)
-            raise _death_status(model, worker, gone) from None
-        return worker, reply, frames
+        except _CallLost as lost:  # out of the deadline's timer: the reap's wait keeps within it
+            raise await self._death_status(model, lost.worker, lost.gone, deadline) from None
+
+    async def _send_to_a_replica(
+        self, model: Model, method: str, request: bytes, deadline: float | None
+    ) -> tuple[Worker, dict, list]:
+        """_run() once a replica is free. A call its pack had not begun when the pack was recycled
+        goes again, to where the model moved: queued behind a call that kept the pack from
+        answering (the unload of that call's model recycled it), it never ran."""
+        for sends_left in range(RESENDS_MAX, -1, -1):
+            worker = model.replicas.try_acquire() or await model.replicas.acquire()
+            try:
+                reply, frames = await self._send(model, worker, method, request, deadline)
+                return worker, reply, frames
+            except PeerGone as gone:
+                moved = worker.kill_cause is KillCause.RECYCLED and not model.unload_requested
+                if gone.begun or not moved or not sends_left:
+                    raise _CallLost(worker, gone) from None
+        raise AssertionError("the last send returns or raises")
+
+    async def _death_status(
+        self, model: Model, worker: Worker, gone: PeerGone, deadline: float | None
+    ) -> status.RpcError:
+        if gone.exit_code is None and not gone.cause and not worker.kill_cause:
+            # Found gone before it was reaped (its socket unreachable), not by our kill: its reap
+            # says how it died. Not past the call's deadline: mesh may try another instance.
+            left = REAP_WAIT_SECONDS if deadline is None else deadline - time.time()
+            await worker.reaped_within(min(REAP_WAIT_SECONDS, left))
+            gone = PeerGone(worker.exit_code(), worker.death_cause)
+        return _death_status(model, worker, gone)
 
     def _send(
         self, model: Model, worker: Worker, method: str, request: bytes, deadline: float | None

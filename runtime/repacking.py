@@ -344,7 +344,11 @@ class Repacker:
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
         reaped."""
-        await drain(pack.worker, list(pack.members))
+        # Owed: the calls of the models that moved that it has begun; those it has not are sent again
+        # where their models moved once it is killed (runtime/dispatch.py), not kept behind one that
+        # never ends. The unloaded model's are owed nothing.
+        members, channel = set(pack.members), self.packs.pool.channel
+        await drain(pack.worker, lambda: channel.owes_begun(pack.worker.identity, members))
         pack.open = False
         # Those whose calls still go to it did not move: they stay its members, and heal once
         # it is reaped (Healer.on_worker_exit asks Packs.forget for them).

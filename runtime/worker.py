@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from plumbing import lifeline, priority
 from runtime.forkserver import BASE_GROUP
@@ -246,11 +247,11 @@ async def calls_answered(worker: Worker, model_id: str, within: float) -> bool:
     return True
 
 
-async def drain(worker: Worker, owed_for: list[str] | None = None) -> None:
-    """Waits until the worker has answered every call sent to it (those of `owed_for`'s models, if
-    given: an unloaded model is owed none), or DRAIN_SECONDS passed."""
+async def drain(worker: Worker, owing: Callable[[], bool] | None = None) -> None:
+    """Waits while the worker owes a reply (`owing()`, if given: say, only those of some models'
+    calls it has begun), or until DRAIN_SECONDS passed."""
     deadline = time.monotonic() + DRAIN_SECONDS
     while worker.serving and time.monotonic() < deadline:
-        if not (worker.in_flight if owed_for is None else sum(worker.calls.get(m, 0) for m in owed_for)):
+        if not (owing() if owing is not None else worker.in_flight):
             return
         await asyncio.sleep(CALLS_CHECK_SECONDS)

@@ -13,11 +13,15 @@ from runtime.pack import Pack
 from runtime.replicas import ReplicaSet
 from runtime.worker import WorkerState
 
+# The stand-in workers by identity, the latest of each name (a test names its own).
+_latest_by_identity: dict[bytes, StandInWorker] = {}
+
 
 class StandInWorker:
     def __init__(self, name: str, state: WorkerState = WorkerState.SERVING):
         self.name, self.pid, self.packed = name, 4000 + len(name), True
         self.identity = name.encode()
+        _latest_by_identity[self.identity] = self
         self.state = state
         self.models: set[str] = set()
         self.held: set[str] = set()  # what the process would hold
@@ -34,10 +38,19 @@ class StandInWorker:
     serving = property(lambda self: self.state is WorkerState.SERVING)
 
 
+class StandInChannel:
+    """Takes every call a stand-in worker has under way for one it has begun."""
+
+    def owes_begun(self, peer: bytes, models) -> bool:
+        worker = _latest_by_identity[peer]
+        return any(worker.calls.get(model_id) for model_id in models)
+
+
 class StandInPool:
     """Loads and drops as a pack would: a second load of a model it holds is refused."""
 
     def __init__(self, *spares: StandInWorker):
+        self.channel = StandInChannel()
         self.killed: list[StandInWorker] = []
         self.loading: list[str] = []  # each load sent, in order
         self.to_take = list(spares)

@@ -656,6 +656,20 @@ def test_a_model_that_cannot_load_beside_its_old_copy_is_given_up_by_a_compactio
         assert all(answers(rt, f"a{n}") for n in range(1, 4))
 
 
+def test_calls_queued_behind_a_stuck_call_go_where_their_model_moved_when_its_unload_recycles_the_pack():
+    with packed() as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        rt.load("stuck", rt.model_dir("stuck", STUCK_CALL_MODEL))
+        callers = concurrent.futures.ThreadPoolExecutor(4)
+        stuck_call = callers.submit(answers, rt, "stuck")
+        wait_until(lambda: busy_in(rt, "stuck"), timeout=10, what="the call under way in the pack")
+        queued = [callers.submit(answers, rt, "neighbour") for _ in range(3)]  # behind it, one thread
+        rt.unload("stuck")
+        assert all(call.result(timeout=30) for call in queued)
+        with pytest.raises(grpc.RpcError):
+            stuck_call.result(timeout=30)
+
+
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
     with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
         rt.load("echo", rt.model_dir("echo"))
