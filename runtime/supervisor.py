@@ -1,20 +1,18 @@
 """The model table and each model's life: load, serve, heal, unload, purge.
 
-A model moves LOADING -> READY -> UNLOADING -> (gone), or LOADING -> UNLOADING
-when its load fails, times out or is cancelled. Leaving the table always goes
-through `discard()`: it kills the model's workers and removes the model only
-once they are reaped, and `Model.gone` resolves then. So an unloadModel that
-awaits `gone` returns with the memory back in the OS, and nothing that
-finishes later can bring the model back: the worker that would have done it
-is dead and the table entry belongs to nobody.
+A model moves LOADING -> READY -> UNLOADING -> (gone), or LOADING -> UNLOADING when its load fails,
+times out or is cancelled. Leaving the table always goes through `discard()`: it kills the model's
+workers and removes the model only once they are reaped, and `Model.gone` resolves then. So an
+unloadModel that awaits `gone` returns with the memory back in the OS, and nothing that finishes
+later can bring the model back: the worker that would have done it is dead and the table entry
+belongs to nobody.
 
-Inference calls are runtime/dispatch.py's; the memory limit is
-runtime/watchdog.py's; workers are asked and killed through the pool.
+Inference calls are runtime/dispatch.py's; the memory limit is runtime/watchdog.py's; workers are
+asked and killed through the pool.
 
-A worker's death is runtime/healing.py's: it reloads the model, or drops
-one that keeps crashing. Small models share packs (runtime/packs.py): a
-packed model's load and unload go through the pack, and unload returns once
-the pack gave the model's memory back (or was recycled).
+A worker's death is runtime/healing.py's: it reloads the model, or drops one that keeps crashing.
+Small models share packs (runtime/packs.py): a packed model's load and unload go through the pack,
+and unload returns once the pack gave the model's memory back (or was recycled).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.watchdog import watch_memory
 from runtime.worker import KillCause, Worker
-from workers import formats
+from workers import formats, protocol
 
 log = logging.getLogger("mesh.supervisor")
 
@@ -250,23 +248,26 @@ class Supervisor:
         return await asyncio.to_thread(memory.serving_costs, charged)
 
     async def _load_packed(self, model: Model) -> list[int]:
-        """Loads the model into MODEL_REPLICAS packs; what it added to each. One that turns out
-        bigger than MODEL_PACK_MAX_BYTES, or whose load left processes running, moves to workers of
-        its own."""
-        model.packed = True
-        loads = []
+        """Loads the model into MODEL_REPLICAS packs; what it added to each. It moves to workers of its
+        own if it adds over MODEL_PACK_MAX_BYTES, leaves processes running, or fails in a pack (as a
+        model.py that registers a metric at import does the second time: a pack's first loads twice)."""
+        model.packed, loads = True, []
         for _ in range(self.settings.model_replicas):
             loads.append(loaded := await self.packs.load(model, avoid=model.workers))
             if not loaded.reply["ok"]:
-                raise status.from_worker(model.model_id, loaded.reply)
+                if loaded.reply.get("error") != protocol.ERROR_LOAD:
+                    raise status.from_worker(model.model_id, loaded.reply)
+                why = f"failed to load in a pack ({str(loaded.reply.get('message'))[:200]})"
+                break
             model.workers.append(loaded.worker)
-        sizes = [loaded.size for loaded in loads]
-        if any(loaded.started_processes for loaded in loads):
-            why = "left processes running below its pack"  # measured right only as a tree of its own
-        elif max(sizes) > self.settings.model_pack_max_bytes:
-            why = f"added {max(sizes) / 2**20:.1f} MiB to its pack, over MODEL_PACK_MAX_BYTES"
         else:
-            return sizes
+            sizes = [loaded.size for loaded in loads]
+            if any(loaded.started_processes for loaded in loads):
+                why = "left processes running below its pack"  # measured right only as a tree of its own
+            elif max(sizes) > self.settings.model_pack_max_bytes:
+                why = f"added {max(sizes) / 2**20:.1f} MiB to its pack, over MODEL_PACK_MAX_BYTES"
+            else:
+                return sizes
         log.info(
             "%s %s: it moves to a worker of its own", model.model_id, why, extra={"model_id": model.model_id}
         )

@@ -670,6 +670,31 @@ def test_calls_queued_behind_a_stuck_call_go_where_their_model_moved_when_its_un
             stuck_call.result(timeout=30)
 
 
+# Registers itself process-wide as it is imported, as a module-level metric does, and refuses a
+# second registration: a new pack loads its first model twice.
+REGISTERING_MODEL = """
+    import numpy as np
+
+    if getattr(np, "_registered_by_test", False):
+        raise ValueError("Duplicated timeseries in CollectorRegistry: {'my_model_calls_total'}")
+    np._registered_by_test = True
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_model_that_fails_to_load_in_a_pack_loads_in_a_worker_of_its_own():
+    with packed() as rt:
+        assert rt.load("metered", rt.model_dir("metered", REGISTERING_MODEL)).sizeInBytes > 0
+        assert "metered failed to load in a pack (ValueError: Duplicated timeseries" in rt.log()
+        assert answers(rt, "metered") and rt.worker_for("metered").pid not in [p.pid for p in rt.packs()]
+
+
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
     with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
         rt.load("echo", rt.model_dir("echo"))
