@@ -181,6 +181,13 @@ class Channel:
         """submit(), awaited."""
         return await self.submit(peer, op, payloads, **fields)
 
+    def ahead_of_next(self, peer: bytes) -> list[int]:
+        """The requests the worker runs before one sent to it now, where it runs one at a time."""
+        return list(self._by_peer.get(peer, ())) if self.runs_at_once == 1 else []
+
+    def all_answered(self, request_ids: list[int]) -> bool:
+        return not any(request_id in self._pending for request_id in request_ids)
+
     def owes_begun(self, peer: bytes, models: Collection[str]) -> bool:
         """Whether the worker has begun a call of one of `models` (as _start_clocks() takes it)."""
         begun = itertools.islice(self._by_peer.get(peer, ()), self.runs_at_once)

@@ -7,7 +7,8 @@ pack takes milliseconds; one that runs past SLOW_LOAD_SECONDS (a constructor
 that sleeps, downloads, or never returns) would otherwise hold its
 neighbours' calls for as long as it runs, up to LOADTIME_TIMEOUT.
 
-So once a load has run that long beside models loaded in the pack, those
+So once a load has run that long beside models loaded in the pack (counted
+from when the pack began it, not from when calls queued ahead were sent), those
 models load into a fresh pack and their calls switch there while the load
 runs on. Calls sent to the old pack before the switch are answered there
 once the load is in. The old pack is then the slow model's alone: it takes
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING
 from runtime.model import Model
 from runtime.repacking import moves_with
 from runtime.tasks import to_the_end
-from runtime.worker import DRAIN_SECONDS, calls_answered
+from runtime.worker import CALLS_CHECK_SECONDS, DRAIN_SECONDS, calls_answered
 
 if TYPE_CHECKING:
     from runtime.pack import Pack
@@ -57,9 +58,14 @@ SLOW_LOAD_SECONDS = 0.5
 
 async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dict:
     """Holding the pack's lock: has it load the model, its reply; if the load runs past
-    SLOW_LOAD_SECONDS, the pack's other models move out meanwhile."""
+    SLOW_LOAD_SECONDS, the pack's other models move out meanwhile. Counted from when the pack begins
+    the load: with one thread, once it has answered the calls sent to it before."""
+    channel = packs.pool.channel
+    ahead = channel.ahead_of_next(pack.worker.identity)
     load = asyncio.ensure_future(packs.send_load(pack, model))
     try:
+        while not (load.done() or channel.all_answered(ahead)):
+            await asyncio.sleep(CALLS_CHECK_SECONDS)
         await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
         model.loads_slowly = not load.done()  # as its latest load went: a heal's may say otherwise
         if not load.done():

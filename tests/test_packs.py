@@ -695,6 +695,21 @@ def test_a_model_that_fails_to_load_in_a_pack_loads_in_a_worker_of_its_own():
         assert answers(rt, "metered") and rt.worker_for("metered").pid not in [p.pid for p in rt.packs()]
 
 
+def test_a_quick_load_queued_behind_a_busy_packs_calls_is_not_taken_for_a_slow_one():
+    with packed() as rt:
+        busy = rt.model_dir("busy", STUCK_CALL_MODEL.replace("time.sleep(120)", "time.sleep(0.2)"))
+        for model_id in ("b1", "b2"):
+            rt.load(model_id, busy)
+        pack = rt.worker_for("b1")
+        callers = concurrent.futures.ThreadPoolExecutor(6)
+        # Three of each in the pack (one thread, two more in its pipeline): 1.2 s of calls ahead.
+        calls = [callers.submit(answers, rt, model_id) for model_id in ("b1", "b2") * 3]
+        wait_until(lambda: busy_in(rt, "b1") and busy_in(rt, "b2"), timeout=10, what="calls under way")
+        rt.load("quick", rt.model_dir("quick"))
+        assert all(call.result(timeout=30) for call in calls)
+        assert rt.worker_for("quick") == pack == rt.worker_for("b1") and "runs long" not in rt.log()
+
+
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
     with packed(MODEL_PACK_MAX_BYTES=str(4 * MiB)) as rt:
         rt.load("echo", rt.model_dir("echo"))
