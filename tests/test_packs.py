@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 
 import grpc
 import psutil
@@ -614,7 +615,7 @@ def test_packed_models_each_find_their_own_classes_by_name():
     with packed() as rt:
         for model_id, factor in (("twice", "2.0"), ("thrice", "3.0")):
             rt.load(model_id, rt.model_dir(model_id, PICKLING_MODEL.replace("FACTOR", factor)))
-        assert rt.worker_for("twice") == rt.worker_for("thrice")
+        assert pack_of(rt, "twice") == pack_of(rt, "thrice")
         assert list(rt.infer_fp32("twice", [1.0]).outputs[0].contents.fp32_contents) == [2.0]
         rt.unload("thrice")
         assert list(rt.infer_fp32("twice", [1.0]).outputs[0].contents.fp32_contents) == [2.0]
@@ -700,14 +701,28 @@ def test_a_quick_load_queued_behind_a_busy_packs_calls_is_not_taken_for_a_slow_o
         busy = rt.model_dir("busy", STUCK_CALL_MODEL.replace("time.sleep(120)", "time.sleep(0.2)"))
         for model_id in ("b1", "b2"):
             rt.load(model_id, busy)
-        pack = rt.worker_for("b1")
+        pack = pack_of(rt, "b1")
         callers = concurrent.futures.ThreadPoolExecutor(6)
         # Three of each in the pack (one thread, two more in its pipeline): 1.2 s of calls ahead.
         calls = [callers.submit(answers, rt, model_id) for model_id in ("b1", "b2") * 3]
         wait_until(lambda: busy_in(rt, "b1") and busy_in(rt, "b2"), timeout=10, what="calls under way")
         rt.load("quick", rt.model_dir("quick"))
         assert all(call.result(timeout=30) for call in calls)
-        assert rt.worker_for("quick") == pack == rt.worker_for("b1") and "runs long" not in rt.log()
+        assert pack_of(rt, "quick") == pack == pack_of(rt, "b1") and "runs long" not in rt.log()
+
+
+def test_a_memory_limit_holds_a_pack_to_what_its_models_are_charged_and_the_limit_beyond():
+    limit = 24 * MiB
+    with packed(WORKER_MEMORY_LIMIT_BYTES=str(limit), MODEL_PACK_MAX_BYTES=str(16 * MiB)) as rt:
+        for n in range(4):  # 6 MiB each: together past the limit, each far below it
+            rt.load(f"m{n}", rt.model_dir(f"m{n}", allocating_model(6)))
+            assert rt.infer_fp32(f"m{n}", [1.0]).outputs  # called: the next load may go beside it
+        pack = pack_of(rt, "m0")
+        assert all(pack_of(rt, f"m{n}") == pack for n in range(4))
+        assert psutil.Process(pack).memory_full_info().uss > limit
+        time.sleep(1.5)  # three of the watchdog's looks
+        assert all(rt.infer_fp32(f"m{n}", [1.0]).outputs for n in range(4)) and pack_of(rt, "m0") == pack
+        assert "over WORKER_MEMORY_LIMIT_BYTES" not in rt.log()
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
