@@ -91,6 +91,7 @@ class Channel:
         self._pending: dict[int, _Request] = {}
         self._by_peer: dict[bytes, dict[int, None]] = {}  # in the order sent
         self.runs_at_once = runs_at_once  # requests a worker runs at a time (WORKER_THREADS)
+        self._timed = 0  # requests pending with an overdue timer to arm (WORKER_REQUEST_TIMEOUT_MS)
         self._fd = self._socket.fileno()  # what getsockopt(zmq.FD) returns, typed int rather than int | bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
@@ -161,7 +162,9 @@ class Channel:
         request = self._pending[request_id] = _Request(peer, future, on_end, overdue)
         request.model = fields.get("model")
         self._by_peer.setdefault(peer, {})[request_id] = None
-        self._start_clocks(peer)
+        if overdue is not None:
+            self._timed += 1
+            self._start_clocks(peer)
         try:
             if peer in self.rings.owed or _reaches(payloads, self.rings.threshold):
                 payloads, ring = self.rings.outgoing(peer, payloads)
@@ -228,7 +231,10 @@ class Channel:
                 del self._by_peer[request.peer]
         if request.timer is not None:
             request.timer.cancel()
-        self._start_clocks(request.peer)  # the next in line has begun
+        if request.overdue is not None:
+            self._timed -= 1
+        if self._timed:
+            self._start_clocks(request.peer)  # the next in line has begun
         if request.on_end is not None:
             request.on_end()
         future = request.future
