@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import types
 
+from standins import StandInChannel
+
 from runtime import memory, packs
 from runtime.settings import Settings
+from runtime.worker import WorkerState
 
 KiB = 1024
 BASE = 4000 * KiB  # what the spare costs before its first model
@@ -26,6 +29,8 @@ FIRST_CALLS = 300 * KiB  # the format's first_calls_bytes: what calls add after 
 class StandInWorker:
     pid = 4242
     alive = serving = True
+    state = WorkerState.SERVING
+    identity = b"w"
 
     def __init__(self):
         self.models: set[str] = set()
@@ -36,6 +41,7 @@ class ScriptedPool:
     told to add, and by FIRST_USE at its first load, which no drop gives back."""
 
     def __init__(self, monkeypatch, adds: dict[str, int]):
+        self.channel = StandInChannel()
         self.worker = StandInWorker()
         self.cost = BASE
         self.adds = adds
