@@ -1,7 +1,8 @@
 """One pack's records: the worker, the models placed in it, what each is charged, its state.
 
 What goes into a pack, and how its loads and drops are measured, is
-runtime/packs.py; moves between packs are runtime/repacking.py.
+runtime/packs.py; moves between packs are runtime/repacking.py, which of its models move
+with it is here.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ import asyncio
 from typing import NamedTuple
 
 from plumbing.lifeline import Identity
-from runtime.model import Model
+from runtime.model import Model, ModelState
 from runtime.worker import Worker
 
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
+# The states of a model whose place in a pack moves with the pack's other models.
+MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 
 
 class Pack:
@@ -62,3 +65,22 @@ class PackedLoad(NamedTuple):
     # its neighbours a forked child keeps, are in no measure of the pack (runtime/supervisor.py
     # moves such a model to a worker of its own, measured as a tree there).
     started_processes: bool
+
+
+def switch(model: Model, old: Worker, new: Worker) -> None:
+    """The model's calls go to `new` from now on; those sent to `old` finish there (if it lives)."""
+    if model.state is ModelState.LOADING:  # its other replicas still load: none takes calls yet
+        if old in model.workers:
+            model.workers[model.workers.index(old)] = new
+        return
+    if old in model.workers:
+        model.workers.remove(old)
+    model.workers.append(new)
+    model.replicas.add(new)
+    model.replicas.remove(old)
+
+
+def moves_with(pack: Pack, model: Model) -> bool:
+    """Whether a member of `pack` moves when it is recycled or compacted: one loaded there, whether
+    the model is ready or still loads its other replicas (left behind, it would go with the pack)."""
+    return model.model_id in pack.charged and pack.worker in model.workers and model.state in MOVING_STATES

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 
 from runtime import memory, status
 from runtime.channel import PeerGone
-from runtime.model import Model, ModelState
+from runtime.model import Model
+from runtime.pack import MOVING_STATES, moves_with, switch
 from runtime.tasks import to_the_end
-from runtime.worker import KillCause, Worker, drain
+from runtime.worker import KillCause, drain
 from workers import formats
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ log = logging.getLogger("mesh.packs")
 # so the pack does not idle for a round trip of the front's between loads; more would only make a
 # longer burst of loading for the calls going on to get through.
 LOADS_AHEAD_ON_MAIN_THREAD = 2
-# The states of a model whose place in a pack moves with the pack's other models.
-_MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 
 # By model id, what each model moving is charged in the pack it leaves: (size, growth, load added).
 Charges = dict[str, tuple[int, int, int]]
@@ -174,11 +173,10 @@ class Repacker:
         loaded: list[Model] = []
         try:
             async with fresh.lock:
-                try:  # a load that cannot end while the old copy lives (a lock it holds) must not wait for it
-                    async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
-                        loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
-                except TimeoutError:
-                    pass
+                try:
+                    loaded = await self._load_all_moved(survivors, old_pack, fresh, charges)
+                except TimeoutError:  # a load given up (_load_within): the pack may still run it
+                    loaded = []
                 if not loaded:
                     await self._abandon(fresh, "the survivors did not load in it in time", otherwise)
                     return []
@@ -195,7 +193,7 @@ class Repacker:
         moved = self._switch_all(loaded, old_pack, fresh)
         # Loaded there but not switched (the fresh pack died meanwhile): charged where they are served.
         _move_charges(
-            charges, fresh, old_pack, [m for m in loaded if m not in moved and m.state in _MOVING_STATES]
+            charges, fresh, old_pack, [m for m in loaded if m not in moved and m.state in MOVING_STATES]
         )
         return moved
 
@@ -225,15 +223,14 @@ class Repacker:
     async def _into_other(self, model: Model, emptiest: Pack, others: list[Pack], charges: Charges) -> int:
         """Moves one model of `emptiest` into the fullest of `others` with room; 1 if it moved."""
         target = self._room_for(model, others)
-        if target is None or model.state not in _MOVING_STATES:  # unloaded meanwhile: it stays to go
+        if target is None or model.state not in MOVING_STATES:  # unloaded meanwhile: it stays to go
             return 0
         try:
             async with target.lock:  # a heal may have placed the model there meanwhile: look again
                 room = len(target.members) < self.packs.settings.models_per_worker
                 if room and target.open and target.worker.serving and _may_take(target, model):
-                    async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
-                        loaded = await self._load_moved(model, emptiest, target, charges)
-                    return len(self._switch_all([model], emptiest, target)) if loaded else 0
+                    if await self._load_moved(model, emptiest, target, charges):
+                        return len(self._switch_all([model], emptiest, target))
         except PeerGone:
             log.error("pack %r died while %s moved in", target.worker, model.model_id)
         except TimeoutError:  # the target still runs the load (given up: send_load()), its models wait
@@ -257,7 +254,7 @@ class Repacker:
         model_id = model.model_id
         target.members[model_id] = model
         before = memory.anonymous(target.worker.pid)
-        reply = await self.packs.send_load(target, model)
+        reply = await self._load_within(target, model)
         if not reply["ok"]:
             self._not_moved(model, target, reply)
             return False
@@ -289,15 +286,22 @@ class Repacker:
         for model in models:
             if target.worker.serving:  # a spare becomes a pack by its first load, alone
                 break
-            replies.append(reply := await self.packs.send_load(target, model))
+            replies.append(reply := await self._load_within(target, model))
             if not reply["ok"] and not target.worker.serving:
                 self._not_moved(model, target, reply)
                 return []  # a spare whose first load failed takes no other
         queued = asyncio.Semaphore(len(models) if at_once else LOADS_AHEAD_ON_MAIN_THREAD)
+        given_up: list[Model] = []
 
         async def load(model: Model) -> dict:
             async with queued:
-                return await self.packs.send_load(target, model)
+                if given_up:  # the pack may still run that load: the rest would only wait it out
+                    raise TimeoutError
+                try:
+                    return await self._load_within(target, model)
+                except TimeoutError:
+                    given_up.append(model)
+                    raise
 
         replies += await asyncio.gather(
             *(load(model) for model in models[len(replies) :]), return_exceptions=True
@@ -305,7 +309,7 @@ class Repacker:
         grown = max(0, memory.anonymous(target.worker.pid) - before)
         failures = [reply for reply in replies if isinstance(reply, BaseException)]
         if failures:
-            raise failures[0]  # PeerGone: the target stopped taking loads
+            raise failures[0]  # PeerGone (the target stopped taking loads), or a load given up
         loaded = []
         for model, reply in zip(models, replies, strict=True):
             assert isinstance(reply, dict)
@@ -323,6 +327,12 @@ class Repacker:
             target.grown[model.model_id] = int(target.grown[model.model_id] * scale)
         return loaded
 
+    async def _load_within(self, pack: Pack, model: Model) -> dict:
+        """send_load(), given up past LOADTIME_TIMEOUT (TimeoutError): a model whose load cannot end
+        while its old copy lives (a lock that copy holds) must not hold the move for ever."""
+        async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
+            return await self.packs.send_load(pack, model)
+
     @staticmethod
     def _not_moved(model: Model, target: Pack, reply: dict) -> None:
         """A model that did not load in `target`: it stays with its old pack, and heals once that goes."""
@@ -336,7 +346,7 @@ class Repacker:
         """Moves the calls of `models`, loaded in `target`, there; those that moved. Calls go on to
         `source` until all of them are loaded: `target` answers none while it loads. Where `source`
         died meanwhile, the move gives its models back the replica its death took."""
-        moved = [m for m in models if target.worker.serving and m.state in _MOVING_STATES]
+        moved = [m for m in models if target.worker.serving and m.state in MOVING_STATES]
         for model in moved:
             switch(model, source.worker, target.worker)
         return moved
@@ -359,25 +369,6 @@ class Repacker:
         await asyncio.shield(pack.worker.exited)
         if self.packs.on_recycle is not None:
             self.packs.on_recycle(time.monotonic() - started, moved)
-
-
-def switch(model: Model, old: Worker, new: Worker) -> None:
-    """The model's calls go to `new` from now on; those sent to `old` finish there (if it lives)."""
-    if model.state is ModelState.LOADING:  # its other replicas still load: none takes calls yet
-        if old in model.workers:
-            model.workers[model.workers.index(old)] = new
-        return
-    if old in model.workers:
-        model.workers.remove(old)
-    model.workers.append(new)
-    model.replicas.add(new)
-    model.replicas.remove(old)
-
-
-def moves_with(pack: Pack, model: Model) -> bool:
-    """Whether a member of `pack` moves when it is recycled or compacted: one loaded there, whether
-    the model is ready or still loads its other replicas (left behind, it would go with the pack)."""
-    return model.model_id in pack.charged and pack.worker in model.workers and model.state in _MOVING_STATES
 
 
 def _may_take(pack: Pack, model: Model) -> bool:

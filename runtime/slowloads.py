@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from runtime.model import Model
-from runtime.repacking import moves_with
+from runtime.pack import moves_with
 from runtime.tasks import to_the_end
 from runtime.worker import CALLS_CHECK_SECONDS, DRAIN_SECONDS, calls_answered
 

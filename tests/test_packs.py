@@ -645,6 +645,20 @@ def test_a_survivor_that_cannot_load_beside_its_old_copy_heals_once_the_recycle_
         wait_until(lambda: answers_by_now(rt, "locker"), timeout=30, what="locker healed")
 
 
+def test_a_recycle_whose_loads_take_longer_than_loadtime_timeout_in_all_moves_them_all():
+    with packed(LOADTIME_TIMEOUT="1000", MODELS_PER_WORKER="6") as rt:  # each load well within it, all of them not
+        slow = rt.model_dir(
+            "slow", STUCK_CALL_MODEL.replace("pass", "time.sleep(0.3)").replace("(120)", "(0)")
+        )
+        for n in range(5):
+            rt.load(f"s{n}", slow)
+            assert answers(rt, f"s{n}")  # called: the next load may go beside it
+        rt.load("leaky", rt.model_dir("leaky", LEAKY_MODEL))
+        rt.unload("leaky")  # recycles the pack: 0.3 s for each survivor to load again, 1.5 s in all
+        assert "5 models move" in rt.log() and "did not load in it in time" not in rt.log()
+        assert all(answers(rt, f"s{n}") for n in range(5))
+
+
 def test_a_model_that_cannot_load_beside_its_old_copy_is_given_up_by_a_compaction_and_heals():
     with packed(LOADTIME_TIMEOUT="3000") as rt:
         echo = rt.model_dir("echo")
