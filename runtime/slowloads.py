@@ -54,6 +54,9 @@ log = logging.getLogger("mesh.packs")
 # than loading a model small enough for a pack takes (docs/density.md), far shorter than the
 # deadlines of the calls it holds up.
 SLOW_LOAD_SECONDS = 0.5
+# How long the calls sent to the pack before a load may hold it before SLOW_LOAD_SECONDS count
+# anyway: a busy pack's calls take a few times their predict, a call that never ends for ever.
+AHEAD_WAIT_MAX_SECONDS = 2.0
 
 
 async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dict:
@@ -64,7 +67,9 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
     ahead = channel.ahead_of_next(pack.worker.identity)
     load = asyncio.ensure_future(packs.send_load(pack, model))
     try:
-        while not (load.done() or channel.all_answered(ahead)):
+        # Not for ever: a call ahead that never ends would keep the others waiting for the load.
+        ahead_until = time.monotonic() + AHEAD_WAIT_MAX_SECONDS
+        while not (load.done() or channel.all_answered(ahead)) and time.monotonic() < ahead_until:
             await asyncio.sleep(CALLS_CHECK_SECONDS)
         await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
         model.loads_slowly = not load.done()  # as its latest load went: a heal's may say otherwise

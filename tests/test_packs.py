@@ -646,7 +646,8 @@ def test_a_survivor_that_cannot_load_beside_its_old_copy_heals_once_the_recycle_
 
 
 def test_a_recycle_whose_loads_take_longer_than_loadtime_timeout_in_all_moves_them_all():
-    with packed(LOADTIME_TIMEOUT="1000", MODELS_PER_WORKER="6") as rt:  # each load well within it, all of them not
+    # Each load well within LOADTIME_TIMEOUT, all of them not.
+    with packed(LOADTIME_TIMEOUT="1000", MODELS_PER_WORKER="6") as rt:
         slow = rt.model_dir(
             "slow", STUCK_CALL_MODEL.replace("pass", "time.sleep(0.3)").replace("(120)", "(0)")
         )
@@ -737,6 +738,18 @@ def test_a_memory_limit_holds_a_pack_to_what_its_models_are_charged_and_the_limi
         time.sleep(1.5)  # three of the watchdog's looks
         assert all(rt.infer_fp32(f"m{n}", [1.0]).outputs for n in range(4)) and pack_of(rt, "m0") == pack
         assert "over WORKER_MEMORY_LIMIT_BYTES" not in rt.log()
+
+
+def test_a_load_behind_a_call_that_never_ends_still_moves_the_packs_other_models_out():
+    with packed(LOADTIME_TIMEOUT="15000") as rt:
+        rt.load("neighbour", rt.model_dir("neighbour"))
+        rt.load("stuck", rt.model_dir("stuck", STUCK_CALL_MODEL))
+        concurrent.futures.ThreadPoolExecutor(1).submit(answers, rt, "stuck")
+        wait_until(lambda: busy_in(rt, "stuck"), timeout=10, what="the call under way in the pack")
+        loading = rt.load_future("new", rt.model_dir("new"))
+        wait_until(lambda: "runs long" in rt.log(), timeout=10, what="the pack's other models moved out")
+        assert answers(rt, "neighbour")
+        loading.cancel()
 
 
 def test_a_model_that_outgrows_its_pack_gets_a_worker_of_its_own():
