@@ -96,8 +96,8 @@ def test_close_forgets_the_source_even_when_the_models_close_raises(tmp_path, co
 
 def test_each_model_file_runs_as_a_module_of_its_own_and_takes_it_with_it(tmp_path, compiled):
     sources = [write_model(str(tmp_path / name), FAILING_MODEL) for name in "ab"]
-    first, last = (python.load(source) for source in sources)
     names = [python.module_name(os.path.join(source, "model.py")) for source in sources]
+    first, last = (python.load(source) for source in sources)
     try:
         assert names[0] != names[1]
         assert [sys.modules[name].__file__ for name in names] == [
@@ -108,6 +108,20 @@ def test_each_model_file_runs_as_a_module_of_its_own_and_takes_it_with_it(tmp_pa
     finally:
         last.close()
     assert not set(names) & set(sys.modules)
+
+
+def test_two_loads_of_one_file_run_as_modules_of_their_own(tmp_path, compiled):
+    source = write_model(str(tmp_path / "a"), FAILING_MODEL)
+    first = python.load(source)
+    name = python.module_name(os.path.join(source, "model.py"))  # what a next load would take
+    second = python.load(source)
+    try:
+        assert name in sys.modules and name.endswith("_2")
+        first.close()
+        assert name in sys.modules, "the first copy's close took the second one's module"
+    finally:
+        second.close()
+    assert name not in sys.modules
 
 
 HELPED_MODEL = """

@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import inspect
 import io
+import itertools
 import marshal
 import os
 import sys
@@ -38,9 +39,12 @@ _folders_found_on_path: set[str] = set()
 
 
 def module_name(source: str) -> str:
-    """The module a model.py runs as, one per file: in a pack, a class its code defines is found
-    through sys.modules by that name (pickle does so), which must not lead to another model's."""
-    return f"{MODULE_PREFIX}{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:16]}"
+    """The module a model.py runs as, one per file and load: in a pack, a class its code defines is
+    found through sys.modules by that name (pickle does so), which must not lead to another
+    model's, nor go with another copy of the same file (a model loaded under two ids)."""
+    name = f"{MODULE_PREFIX}{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:16]}"
+    copies = (f"{name}_{n}" for n in itertools.count(2))
+    return name if name not in sys.modules else next(copy for copy in copies if copy not in sys.modules)
 
 
 def load(path: str, shared: bool = False) -> PythonModel:
