@@ -41,8 +41,10 @@ CONTROL_READ_SECONDS = 5.0
 # echoed back in its answers, which grpc holds, outside any budget, until the client reads them.
 STREAMED_REQUEST_MAX = 65536
 # Calls of such a method at once: grpc reads each message whole (up to GRPC_MAX_MESSAGE_BYTES)
-# before it can be refused.
-STREAMING_CALLS_MAX = 2
+# before it can be refused. One whose client sends nothing for STREAM_IDLE_SECONDS is ended, so
+# that clients that leave theirs open do not keep every other one out.
+STREAMING_CALLS_MAX = 4
+STREAM_IDLE_SECONDS = 30.0
 
 _ending: set[asyncio.Task] = set()  # the aborts under way, kept from the garbage collector
 
@@ -179,8 +181,16 @@ def _streaming_under(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
 
 async def _capped_requests(context, deserialize) -> AsyncIterator[Any]:
-    """The call's request messages; the call is aborted at one over STREAMED_REQUEST_MAX."""
-    while (message := await context.read()) is not grpc.aio.EOF:
+    """The call's request messages; the call is aborted at one over STREAMED_REQUEST_MAX, or once
+    its client has sent none for STREAM_IDLE_SECONDS (it holds one of STREAMING_CALLS_MAX)."""
+    while True:
+        try:
+            async with asyncio.timeout(STREAM_IDLE_SECONDS):
+                message = await context.read()
+        except TimeoutError:
+            await status.abort(context, status.stream_idle(STREAM_IDLE_SECONDS))
+        if message is grpc.aio.EOF:
+            return
         try:
             if len(message) > STREAMED_REQUEST_MAX:
                 raise status.streamed_request_too_big(len(message), STREAMED_REQUEST_MAX)

@@ -165,6 +165,10 @@ def streamed_request_too_big(size: int, limit: int) -> RpcError:
     )
 
 
+def stream_idle(seconds: float) -> RpcError:
+    return RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the stream sent no message for {seconds:g} s")
+
+
 def too_many_streams(limit: int) -> RpcError:
     return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{limit} calls of this method are open already")
 

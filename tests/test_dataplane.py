@@ -241,6 +241,23 @@ def test_open_reflection_streams_are_bounded_in_number_and_hold_no_other_calls_u
     )
 
 
+def test_a_stream_whose_client_sends_nothing_for_a_while_is_ended(monkeypatch):
+    monkeypatch.setattr(reading, "STREAM_IDLE_SECONDS", 0.05)
+
+    class SilentContext:
+        async def read(self):
+            await asyncio.sleep(30)
+
+        async def abort(self, code, message):
+            raise grpc.aio.AbortError(f"{code.name}: {message}")
+
+    async def next_request():
+        return await reading._capped_requests(SilentContext(), None).__anext__()
+
+    with pytest.raises(grpc.aio.AbortError, match="DEADLINE_EXCEEDED: the stream sent no message for 0.05 s"):
+        asyncio.run(next_request())
+
+
 def test_unknown_method_is_unimplemented(served):
     raw = served.channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
     expect_status(grpc.StatusCode.UNIMPLEMENTED, raw, b"", metadata=mesh_headers("served"))
