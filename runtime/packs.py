@@ -1,29 +1,24 @@
 """Packs: worker processes that each hold several small models.
 
-With MODELS_PER_WORKER > 1 (the default), a model whose predicted size
-without its format's floor (bytes on disk x MODELSIZE_MULTIPLIER) is below
-MODEL_PACK_MAX_BYTES goes into the fullest pack of its format that has room,
-or into a spare that becomes a new pack. Each replica goes into another pack.
-A load does not queue behind another: while every pack with room is loading,
-a spare becomes another pack, up to FILLING_PACKS_MAX packs of a format with
-room. Nor does it go to a pack whose last model waits for its first call
-while another has room: model-mesh sends that call the moment loadModel
-returns, and a load sent before it would hold it up.
+With MODELS_PER_WORKER > 1 (the default), a model whose predicted size without its format's floor
+(bytes on disk x MODELSIZE_MULTIPLIER) is below MODEL_PACK_MAX_BYTES goes into the fullest pack of
+its format that has room, or into a spare that becomes a new pack. Each replica goes into another
+pack. A load does not queue behind another: while every pack with room is loading, a spare becomes
+another pack, up to FILLING_PACKS_MAX packs of a format with room. Nor does it go to a pack whose
+last model waits for its first call while another has room: model-mesh sends that call the moment
+loadModel returns, and a load sent before it would hold it up.
 
-Every load into a pack and every drop from it runs alone (the pack's lock).
-A load that runs long beside other models has them moved to a fresh pack
-meanwhile, and the pack is left to it (runtime/slowloads.py).
-A new pack loads its first model twice, the first time dropped at once, and
-its base is what it costs then, measured from outside with the kernel's
-share (runtime/memory.py): the spare, and what a first load writes that
-later loads reuse. A model's size is what the pack grew by that no model is
-charged for yet (its load, and what calls since the last load added; at
-least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER),
-DROP_LEFTOVER_BYTES for what later drops may leave, and what the front holds
-for it: model-mesh reads capacity only once, at start, so a pack's base must
-be in the sizes of the models that fill it.
-What a pack costs beyond its models' sizes (one not yet full) is counted in
-capacity (`unclaimed()`, and the supervisor's hold-back for open packs).
+Every load into a pack and every drop from it runs alone (the pack's lock). A load that runs long
+beside other models has them moved to a fresh pack meanwhile, and the pack is left to it
+(runtime/slowloads.py). A new pack loads its first model twice, the first time dropped at once,
+and its base is what it costs then, measured from outside with the kernel's share
+(runtime/memory.py): the spare, and what a first load writes that later loads reuse. A model's
+size is what the pack grew by that no model is charged for yet (its load, and what calls since the
+last load added; at least PACKED_MODEL_MIN_BYTES), its share of the base (over MODELS_PER_WORKER),
+DROP_LEFTOVER_BYTES for what later drops may leave, and what the front holds for it: model-mesh
+reads capacity only once, at start, so a pack's base must be in the sizes of the models that fill
+it. What a pack costs beyond its models' sizes (one not yet full) is counted in capacity
+(`unclaimed()`, and the supervisor's hold-back for open packs).
 
 What a load added and what a drop gave back are read from the pack's anonymous pages
 (memory.anonymous(), cheap). A pack that did not shrink by what the model's load added, less
@@ -35,9 +30,8 @@ CALLS_GRACE_SECONDS; after an unload, a format's emptiest pack may be compacted 
 (runtime/supervisor.py): what it shares with them, and its neighbours' pages a child it forked
 keeps, are in no measure of the pack.
 
-A pack that dies takes only its own models down; the supervisor heals them
-into other packs and counts the crash against the model whose code it was
-running (runtime/healing.py blamed()).
+A pack that dies takes only its own models down; the supervisor heals them into other packs and
+counts the crash against the model whose code it was running (runtime/healing.py blamed()).
 """
 
 from __future__ import annotations
@@ -57,7 +51,7 @@ from runtime.repacking import Repacker
 from runtime.settings import Settings
 from runtime.tasks import to_the_end
 from runtime.worker import KillCause, Worker, WorkerState, calls_answered, drain
-from workers import formats
+from workers import formats, protocol
 
 log = logging.getLogger("mesh.packs")
 
@@ -237,7 +231,11 @@ class Packs:
         """
         reply = await self.send_load(pack, model)
         if reply["ok"]:
-            await self.pool.send_drop(pack.worker, model.model_id)
+            try:
+                await asyncio.wait_for(self.pool.send_drop(pack.worker, model.model_id), CALLS_GRACE_SECONDS)
+            except TimeoutError:  # its close() does not end: alone, it is killed 2 s into an unload
+                pack.give_up_load()
+                return {"ok": False, "error": protocol.ERROR_LOAD, "message": "its close() did not end"}
             cost = await asyncio.to_thread(memory.cost_or_zero, pack.worker.pid)
             pack.base_bytes = cost + memory.FRONT_SHARE_BYTES
             # What calls add after the pack's last load no later load's growth pays for.

@@ -585,6 +585,15 @@ def test_a_packed_models_close_that_never_ends_holds_its_unload_through_the_grac
         assert answers(rt, "neighbour")
 
 
+def test_a_first_model_whose_close_never_ends_loads_in_a_worker_of_its_own():
+    with packed() as rt:
+        path = rt.model_dir("hanging", CLOSING_MODEL)
+        open(os.path.join(path, "hang"), "w").close()
+        rt.load("hanging", path)  # a new pack's rehearsal drops it: its close() does not end
+        assert "hanging failed to load in a pack (its close() did not end)" in rt.log()
+        assert answers(rt, "hanging") and rt.worker_for("hanging") is not None  # a worker of its own
+
+
 def test_the_last_model_of_a_pack_gets_its_close_too():
     with packed() as rt:
         paths = [rt.model_dir(model_id, CLOSING_MODEL) for model_id in ("first", "last")]
