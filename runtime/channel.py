@@ -188,8 +188,8 @@ class Channel:
         """The requests the worker runs before one sent to it now, where it runs one at a time."""
         return list(self._by_peer.get(peer, ())) if self.runs_at_once == 1 else []
 
-    def all_answered(self, request_ids: list[int]) -> bool:
-        return not any(request_id in self._pending for request_id in request_ids)
+    def still_pending(self, request_ids: list[int]) -> list[int]:
+        return [request_id for request_id in request_ids if request_id in self._pending]
 
     def owes_begun(self, peer: bytes, models: Collection[str]) -> bool:
         """Whether the worker has begun a call of one of `models` (as _start_clocks() takes it)."""

@@ -291,21 +291,15 @@ class Repacker:
                 self._not_moved(model, target, reply)
                 return []  # a spare whose first load failed takes no other
         queued = asyncio.Semaphore(len(models) if at_once else LOADS_AHEAD_ON_MAIN_THREAD)
-        given_up: list[Model] = []
+        loads: list[asyncio.Future] = []  # the pack runs them one after another, in this order
 
-        async def load(model: Model) -> dict:
+        async def load(model: Model, after: asyncio.Future | None) -> dict:
             async with queued:
-                if given_up:  # the pack may still run that load: the rest would only wait it out
-                    raise TimeoutError
-                try:
-                    return await self._load_within(target, model)
-                except TimeoutError:
-                    given_up.append(model)
-                    raise
+                return await self._load_within(target, model, after)
 
-        replies += await asyncio.gather(
-            *(load(model) for model in models[len(replies) :]), return_exceptions=True
-        )
+        for model in models[len(replies) :]:
+            loads.append(asyncio.ensure_future(load(model, loads[-1] if loads else None)))
+        replies += await asyncio.gather(*loads, return_exceptions=True)
         grown = max(0, memory.anonymous(target.worker.pid) - before)
         failures = [reply for reply in replies if isinstance(reply, BaseException)]
         if failures:
@@ -327,11 +321,20 @@ class Repacker:
             target.grown[model.model_id] = int(target.grown[model.model_id] * scale)
         return loaded
 
-    async def _load_within(self, pack: Pack, model: Model) -> dict:
-        """send_load(), given up past LOADTIME_TIMEOUT (TimeoutError): a model whose load cannot end
-        while its old copy lives (a lock that copy holds) must not hold the move for ever."""
-        async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
-            return await self.packs.send_load(pack, model)
+    async def _load_within(self, pack: Pack, model: Model, after: asyncio.Future | None = None) -> dict:
+        """send_load(), given up (TimeoutError) past LOADTIME_TIMEOUT from when the pack begins it,
+        once the load `after` is in: a model whose load cannot end while its old copy lives (a lock
+        that copy holds) must not hold the move for ever. After a load given up, at once."""
+        sent = asyncio.ensure_future(self.packs.send_load(pack, model))
+        try:
+            if after is not None:
+                await asyncio.wait([after, sent], return_when=asyncio.FIRST_COMPLETED)
+                if after.done() and not after.cancelled() and isinstance(after.exception(), TimeoutError):
+                    raise TimeoutError  # the pack may still run that load: this one would wait it out
+            async with asyncio.timeout(self.packs.settings.loadtime_timeout / 1000):
+                return await sent
+        finally:
+            sent.cancel()  # nothing once it is done
 
     @staticmethod
     def _not_moved(model: Model, target: Pack, reply: dict) -> None:

@@ -54,8 +54,8 @@ log = logging.getLogger("mesh.packs")
 # than loading a model small enough for a pack takes (docs/density.md), far shorter than the
 # deadlines of the calls it holds up.
 SLOW_LOAD_SECONDS = 0.5
-# How long the calls sent to the pack before a load may hold it before SLOW_LOAD_SECONDS count
-# anyway: a busy pack's calls take a few times their predict, a call that never ends for ever.
+# How long the calls sent to the pack before a load may hold it with none of them answered before
+# SLOW_LOAD_SECONDS count anyway: a call that never ends would hold it for ever.
 AHEAD_WAIT_MAX_SECONDS = 2.0
 
 
@@ -69,8 +69,10 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
     try:
         # Not for ever: a call ahead that never ends would keep the others waiting for the load.
         ahead_until = time.monotonic() + AHEAD_WAIT_MAX_SECONDS
-        while not (load.done() or channel.all_answered(ahead)) and time.monotonic() < ahead_until:
+        while ahead and not load.done() and time.monotonic() < ahead_until:
             await asyncio.sleep(CALLS_CHECK_SECONDS)
+            if (left := channel.still_pending(ahead)) != ahead:  # one answered: the pack is not stuck
+                ahead, ahead_until = left, time.monotonic() + AHEAD_WAIT_MAX_SECONDS
         await asyncio.wait([load], timeout=SLOW_LOAD_SECONDS)
         model.loads_slowly = not load.done()  # as its latest load went: a heal's may say otherwise
         if not load.done():

@@ -44,8 +44,8 @@ class StandInChannel:
     def ahead_of_next(self, peer: bytes) -> list[int]:
         return []
 
-    def all_answered(self, request_ids: list[int]) -> bool:
-        return True
+    def still_pending(self, request_ids: list[int]) -> list[int]:
+        return []
 
     def owes_begun(self, peer: bytes, models) -> bool:
         worker = _latest_by_identity[peer]

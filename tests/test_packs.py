@@ -722,14 +722,17 @@ def test_a_model_that_fails_to_load_in_a_pack_loads_in_a_worker_of_its_own():
 
 def test_a_quick_load_queued_behind_a_busy_packs_calls_is_not_taken_for_a_slow_one():
     with packed() as rt:
-        busy = rt.model_dir("busy", STUCK_CALL_MODEL.replace("time.sleep(120)", "time.sleep(0.2)"))
-        for model_id in ("b1", "b2"):
+        busy = rt.model_dir("busy", STUCK_CALL_MODEL.replace("time.sleep(120)", "time.sleep(0.3)"))
+        models = ("b1", "b2", "b3")
+        for model_id in models:
             rt.load(model_id, busy)
+            assert answers(rt, model_id)  # called: the next load may go beside it
         pack = pack_of(rt, "b1")
-        callers = concurrent.futures.ThreadPoolExecutor(6)
-        # Three of each in the pack (one thread, two more in its pipeline): 1.2 s of calls ahead.
-        calls = [callers.submit(answers, rt, model_id) for model_id in ("b1", "b2") * 3]
-        wait_until(lambda: busy_in(rt, "b1") and busy_in(rt, "b2"), timeout=10, what="calls under way")
+        callers = concurrent.futures.ThreadPoolExecutor(9)
+        # Three of each in the pack (one thread, two more in its pipeline): 2.7 s of calls ahead,
+        # past the wait for calls ahead that answer none (AHEAD_WAIT_MAX_SECONDS), each 0.3 s.
+        calls = [callers.submit(answers, rt, model_id) for model_id in models * 3]
+        wait_until(lambda: all(busy_in(rt, m) for m in models), timeout=10, what="calls under way")
         rt.load("quick", rt.model_dir("quick"))
         assert all(call.result(timeout=30) for call in calls)
         assert pack_of(rt, "quick") == pack == pack_of(rt, "b1") and "runs long" not in rt.log()
