@@ -31,6 +31,9 @@ REQUEST_TIMEOUT_REASON = "a request ran past WORKER_REQUEST_TIMEOUT_MS"
 REAP_WAIT_SECONDS = 0.5
 # How many times a call is sent again when a recycle ends the pack it was queued in.
 RESENDS_MAX = 2
+# The causes a pack's models' calls not yet begun outlive: their models moved out first (a worker of
+# its own is killed for UNLOAD only once its model is unloaded).
+_ENDED_AFTER_A_MOVE = (KillCause.RECYCLED, KillCause.UNLOAD)
 
 
 class _CallLost(Exception):
@@ -83,16 +86,18 @@ class Dispatcher:
     async def _send_to_a_replica(
         self, model: Model, method: str, request: bytes, deadline: float | None
     ) -> tuple[Worker, dict, list]:
-        """_run() once a replica is free. A call its pack had not begun when the pack was recycled
-        goes again, to where the model moved: queued behind a call that kept the pack from
-        answering (the unload of that call's model recycled it), it never ran."""
+        """_run() once a replica is free. A call its pack had not begun when the pack was ended after
+        its models moved out goes again, to where the model moved: queued behind a call that kept
+        the pack from answering (the unload of that call's model recycled it; a slow load the pack
+        was left to), it never ran."""
         for sends_left in range(RESENDS_MAX, -1, -1):
             worker = model.replicas.try_acquire() or await model.replicas.acquire()
             try:
                 reply, frames = await self._send(model, worker, method, request, deadline)
                 return worker, reply, frames
             except PeerGone as gone:
-                moved = worker.kill_cause is KillCause.RECYCLED and not model.unload_requested
+                # A pack ended by a move, or left to a slow load and ended with it: the model is elsewhere.
+                moved = worker.kill_cause in _ENDED_AFTER_A_MOVE and not model.unload_requested
                 if gone.begun or not moved or not sends_left:
                     raise _CallLost(worker, gone) from None
         raise AssertionError("the last send returns or raises")
