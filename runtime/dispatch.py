@@ -81,7 +81,7 @@ class Dispatcher:
         except TimeoutError:
             raise status.deadline_exceeded(model.model_id) from None
         except _CallLost as lost:  # out of the deadline's timer: the reap's wait keeps within it
-            raise await self._death_status(model, lost.worker, lost.gone, deadline) from None
+            raise await self._status_of_lost_call(model, lost.worker, lost.gone, deadline) from None
 
     async def _send_to_a_replica(
         self, model: Model, method: str, request: bytes, deadline: float | None
@@ -102,9 +102,10 @@ class Dispatcher:
                     raise _CallLost(worker, gone) from None
         raise AssertionError("the last send returns or raises")
 
-    async def _death_status(
+    async def _status_of_lost_call(
         self, model: Model, worker: Worker, gone: PeerGone, deadline: float | None
     ) -> status.RpcError:
+        """The status of a call whose worker died before it answered."""
         if gone.exit_code is None and not gone.cause and not worker.kill_cause:
             # Found gone before it was reaped (its socket unreachable), not by our kill: its reap
             # says how it died. Not past the call's deadline: mesh may try another instance.
