@@ -221,6 +221,10 @@ class Runtime:
             options=[
                 ("grpc.max_send_message_length", 64 * MiB),
                 ("grpc.max_receive_message_length", 64 * MiB),
+                # The first attempt comes before the front listens; grpc's default backoff (1 s)
+                # would then hold every test's start for most of a second.
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 200),
             ],
         )
         self.mesh = mm_grpc.ModelRuntimeStub(self.channel)

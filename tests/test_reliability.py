@@ -202,7 +202,7 @@ def test_sigterm_lets_calls_under_way_finish():
             def __init__(self, path):
                 pass
             def predict(self, inputs):
-                time.sleep(2)
+                time.sleep(0.8)
                 return inputs
     """,
         ),
