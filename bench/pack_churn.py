@@ -35,6 +35,7 @@ from bench.common import MiB, progress
 from bench.scale import write_copies
 from bench.scale_servers import MeshRuntime, model_id
 from meshtest import cgroup
+from meshtest.harness import alive
 from protos import model_runtime_pb2 as mm
 from runtime.settings import Settings
 
@@ -103,6 +104,8 @@ def checkpoint(pod: Pod, meter: cgroup.Meter, base: tuple[int, int | None], held
     point = {
         "ops": ops,
         "models": len(pod.sizes),
+        # Pack bases are in the growth and not in the sizes: fewer packs, a higher ratio.
+        "packs": len(alive(pod.server.rt.packs())),
         "reported_bytes": reported,
         "growth_bytes": growth,
         "reported_over_growth": reported / growth if growth > 0 else None,
@@ -159,7 +162,8 @@ def _ratio(value: float | None) -> str:
 def describe_point(p: dict) -> str:
     cache = p.get("page_cache_change_bytes")
     return (
-        f"churn after {p['ops']} ops: {p['models']} models, reported {p['reported_bytes'] / MiB:.1f} MiB, "
+        f"churn after {p['ops']} ops: {p['models']} models in {p.get('packs', '-')} packs, "
+        f"reported {p['reported_bytes'] / MiB:.1f} MiB, "
         f"cgroup grew {p['growth_bytes'] / MiB:.1f} MiB"
         + ("" if cache is None else f" (page cache {cache / MiB:+.1f} MiB)")
         + ", "

@@ -13,6 +13,7 @@ def test_the_scale_benchmark_measures_a_few_python_models_from_outside(
 ):
     monkeypatch.setattr(scale, "RANDOM_CALLS", 20)
     monkeypatch.setattr(scale, "IDLE_SECONDS", 0.5)
+    monkeypatch.setattr(scale, "SETTLE_AFTER_UNLOAD_S", 0.5)
     loaders = 1 if models_per_worker == 1 else scale.LOADERS  # one at a time, or as model-mesh
     figures = scale.run("python", steps=(2, 4), models_per_worker=models_per_worker, loaders=loaders)
     assert figures["loaders"] == loaders
