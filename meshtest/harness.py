@@ -246,7 +246,7 @@ class Runtime:
             except grpc.RpcError as error:
                 if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise AssertionError(f"runtime not READY after {timeout} s:\n{self.log()}")
 
     def stop(self) -> None:
