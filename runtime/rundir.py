@@ -22,6 +22,7 @@ changes anything in it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -33,6 +34,8 @@ log = logging.getLogger("mesh.rundir")
 # sockaddr_un holds 108 bytes; ipc:// addresses must fit with their file name.
 MAX_SOCKET_PATH = 100
 LOCK_NAME = "front.lock"
+# Everything the runtime makes in RUNTIME_DIR: a stop removes these and leaves anything else.
+ENTRIES = (LOCK_NAME, "workers.sock", "admin.sock", "beats", "pids", "stacks", "shm")
 _OTHERS_MAY_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -212,4 +215,20 @@ def _remove_entry(entry: str, info: os.stat_result) -> None:
 
 
 def remove(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Removes what the runtime made in path, then path itself if that leaves it empty: a folder
+    given with files of its own keeps them."""
+    for name in ENTRIES:
+        entry = os.path.join(path, name)
+        try:
+            _remove_entry(entry, os.lstat(entry))
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            log.warning("cannot remove %s: %s", entry, error)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        why = "it holds files the runtime did not make" if error.errno == errno.ENOTEMPTY else error.strerror
+        log.info("RUNTIME_DIR %s kept: %s", path, why)

@@ -291,9 +291,11 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
             supervisor.metrics.serve(settings.metrics_port, supervisor)
         except OSError as error:
             log.error("cannot serve metrics on METRICS_PORT=%d: %s", settings.metrics_port, error)
+            rundir.remove(settings.runtime_dir)  # nothing started yet: the folder's files alone
             return 2
     server = await start_grpc_server(settings, supervisor, dispatcher, health_servicer)
     if server is None:
+        rundir.remove(settings.runtime_dir)
         return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info(

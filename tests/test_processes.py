@@ -237,11 +237,12 @@ def test_threads_started_inside_the_block_run_as_batch_work_and_the_starter_keep
     assert os.sched_getscheduler(0) == before
 
 
-def _run_until_it_exits(rt: Runtime) -> tuple[int, str]:
-    """Starts a runtime that is expected to stop by itself; returns its exit code and log."""
+def _run_until_it_exits(rt: Runtime) -> tuple[int, str, bool]:
+    """Starts a runtime that is expected to stop by itself; returns its exit code, its log and
+    whether its RUNTIME_DIR is still there."""
     rt.start(wait_ready=False)
     try:
-        return rt.process.wait(30), rt.log()
+        return rt.process.wait(30), rt.log(), os.path.exists(rt.env["RUNTIME_DIR"])
     finally:
         rt.stop()
 
@@ -253,11 +254,12 @@ def test_a_second_front_on_a_taken_port_exits_2_and_leaves_the_first_alone(runti
         first.load("first", first.model_dir("first"))
         worker = first.worker_for("first")
         env = {"RUNTIME_DIR": first.env["RUNTIME_DIR"]} if runtime_dir == "the first front's" else {}
-        code, log = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), **env))
+        code, log, left_its_folder = _run_until_it_exits(Runtime(RUNTIME_PORT=str(first.port), **env))
         expected = (
             f"is in use by another front (pid {first.pid})" if env else f"cannot listen on port {first.port}"
         )
         assert code == 2 and expected in log
+        assert env or not left_its_folder, "a front that could not listen removes its RUNTIME_DIR"
         assert worker.is_running() and os.path.isdir(first.env["RUNTIME_DIR"])
         assert first.infer_fp32("first", [1.0]).outputs
 
@@ -267,8 +269,9 @@ def test_a_taken_metrics_port_stops_the_front_with_exit_2_and_the_reason():
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, log = _run_until_it_exits(Runtime(METRICS_PORT=str(port)))
+        code, log, left_its_folder = _run_until_it_exits(Runtime(METRICS_PORT=str(port)))
     assert code == 2 and f"cannot serve metrics on METRICS_PORT={port}" in log
+    assert not left_its_folder
 
 
 def test_a_forgotten_process_is_no_longer_polled_at_each_start_but_still_joins():

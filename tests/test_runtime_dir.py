@@ -376,6 +376,27 @@ def test_a_front_empties_a_loose_runtime_dir_kills_nothing_planted_and_makes_it_
         end(planted)
 
 
+def test_a_stop_removes_what_the_front_made_in_a_given_folder_and_keeps_the_rest():
+    rt = Runtime(MODELS_PER_WORKER="4")
+    run_dir = rt.env["RUNTIME_DIR"]
+    os.makedirs(os.path.join(run_dir, "notes"), mode=0o700)
+    with open(os.path.join(run_dir, "notes", "todo.txt"), "w") as f:
+        f.write("someone's")
+    try:
+        rt.start()
+        rt.load("m", rt.model_dir("m"))
+        # rundir.ENTRIES must name all the front makes, or a stop would leave it behind.
+        assert set(os.listdir(run_dir)) == {*rundir.ENTRIES, "notes"}
+        processes = tree(rt.pid)
+        rt.terminate()
+        assert rt.process.returncode == 0
+        wait_until(lambda: not alive(processes), what="every process to end")
+        assert listing(run_dir) == {"notes", "notes/todo.txt"}
+        assert f"RUNTIME_DIR {run_dir} kept: it holds files the runtime did not make" in rt.log()
+    finally:
+        rt.stop()
+
+
 def test_a_front_on_a_symlinked_runtime_dir_exits_2_and_says_it_is_a_symlink(tmp_path):
     target = tmp_path / "target"
     target.mkdir(mode=0o700)
