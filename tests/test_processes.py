@@ -1,5 +1,6 @@
 """Processes we start, we reap: no orphans after SIGTERM or SIGKILL, no leftovers across restarts."""
 
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
@@ -538,3 +539,49 @@ def test_a_packed_model_holding_a_pool_is_dropped_and_its_pack_serves_on(setting
         runtime.unload("pooled")
         assert runtime.infer_fp32("neighbour", [1.0]).outputs
         wait_until(lambda: all(map(_ended, workers)), timeout=10, what="the pool's workers to end")
+
+
+# Answers after a second, once it has said it started.
+SLOW_ECHO_MODEL = """
+    import os, time
+
+    class Model:
+        def __init__(self, path):
+            self.path = path
+
+        def predict(self, inputs):
+            open(os.path.join(self.path, "started"), "w").close()
+            time.sleep(1)
+            return dict(inputs)
+"""
+
+
+# The front leads a process group of its own here, as under a terminal or a service manager.
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_a_signal_to_the_fronts_process_group_ends_every_process_and_what_models_started(signum):
+    with Runtime(command_prefix=("setsid",), MODELS_PER_WORKER="4") as runtime:
+        for name in ("alone", "packed"):
+            runtime.load(name, runtime.model_dir(name, HELPERS_MODEL))
+        helpers = [
+            psutil.Process(pid)
+            for name in ("alone", "packed")
+            for pid in _pids_in(os.path.join(runtime.models, name), "forked.pid", "executed.pid")
+        ]
+        processes = tree(runtime.pid)
+        assert os.getpgid(runtime.pid) == runtime.pid
+        os.killpg(runtime.pid, signum)
+        wait_until(lambda: not alive(processes + helpers), timeout=10, what="every process and helper to end")
+
+
+def test_sigterm_to_the_fronts_process_group_stops_it_as_gracefully_as_sigterm_to_the_front():
+    with Runtime(command_prefix=("setsid",)) as runtime:
+        runtime.load("slow", runtime.model_dir("slow", SLOW_ECHO_MODEL))
+        processes = tree(runtime.pid)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call = pool.submit(runtime.infer_fp32, "slow", [1.0])
+            wait_until(lambda: os.path.exists(os.path.join(runtime.models, "slow", "started")))
+            os.killpg(runtime.pid, signal.SIGTERM)
+            assert call.result(timeout=30).outputs  # answered, its worker not killed under it
+        assert runtime.process.wait(15) == 0
+        wait_until(lambda: not alive(processes), timeout=10, what="every process to end")
+        assert "died" not in runtime.log() and "heal" not in runtime.log()

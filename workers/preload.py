@@ -24,6 +24,10 @@ from workers.formats import warming
 
 
 def _preload() -> None:
+    # A process group of its own: a signal to the front's group (a terminal's hang-up, `kill --
+    # -PGID`, a service manager stopping the group) reaches the front alone, which then stops the
+    # fork servers, or whose death does; killed beside the front, they could end nothing below them.
+    os.setpgid(0, 0)
     # Its workers die with it; what their models started is ended by it as it goes.
     lifeline.end_everything_below_with_parent()
     heap.keep_big_buffers()  # before a framework starts a thread; every worker inherits it
