@@ -35,27 +35,33 @@ def die_with_parent(expected_parent: int | None, signum: int = signal.SIGKILL) -
 # The pid of the process that last forked, as that process noted it just before: a child reads its
 # own copy to tell whether its parent is the process it was forked from (see below).
 _forked_by: int | None = None
+_forked_by_main_thread = True
 
 
 def _note_forking_process() -> None:
-    global _forked_by
+    global _forked_by, _forked_by_main_thread
     _forked_by = os.getpid()
+    _forked_by_main_thread = threading.current_thread() is threading.main_thread()
 
 
 def _die_with_the_forking_process() -> None:
-    die_with_parent(_forked_by)
+    # Linux sends the signal when the *thread* that forked ends: a helper a model starts from a
+    # thread of its own would die with that thread. Those are left to the group kill below.
+    if _forked_by_main_thread:
+        die_with_parent(_forked_by)
 
 
 def children_die_with_this_process() -> None:
-    """Every process forked from here on (by os.fork: multiprocessing's fork context, say), and
-    those they fork in turn, gets SIGKILL when the one that forked it dies.
+    """Every process forked from here on by the main thread (by os.fork: multiprocessing's fork
+    context, say), and those they fork in turn, gets SIGKILL when the one that forked it dies.
 
     A worker's model may start helper processes; without this, killing the
     worker for an unload left them running with their memory, and one that
     held a fork server's pipe kept the front from stopping. A child that
-    execs (subprocess) forks in C and runs no hook: the front kills a
-    worker's whole process group for those (runtime/worker.py), and a worker
-    that exits by itself kills its children (kill_children()).
+    execs (subprocess) forks in C and runs no hook, and one forked by another
+    thread would die with that thread: the front kills a worker's whole
+    process group for those (runtime/worker.py), and a worker that exits by
+    itself kills its children (kill_children()).
     """
     os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_the_forking_process)
 

@@ -585,3 +585,39 @@ def test_sigterm_to_the_fronts_process_group_stops_it_as_gracefully_as_sigterm_t
         assert runtime.process.wait(15) == 0
         wait_until(lambda: not alive(processes), timeout=10, what="every process to end")
         assert "died" not in runtime.log() and "heal" not in runtime.log()
+
+
+# Starts a helper by fork from a thread that ends before the load does.
+THREAD_HELPER_MODEL = """
+    import multiprocessing, os, threading, time
+
+    class Model:
+        def __init__(self, path):
+            helpers = []
+            starter = threading.Thread(target=lambda: helpers.append(self._start_helper()))
+            starter.start()
+            starter.join()
+            with open(os.path.join(path, "helper.pid"), "w") as f:
+                f.write(str(helpers[0].pid))
+
+        @staticmethod
+        def _start_helper():
+            helper = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+            helper.start()
+            time.sleep(0.2)  # the thread ends after the helper is under way, not before
+            return helper
+
+        def predict(self, inputs):
+            return dict(inputs)
+"""
+
+
+def test_a_helper_forked_from_a_thread_that_ends_lives_on_and_still_ends_with_its_worker():
+    with Runtime() as runtime:
+        folder = runtime.model_dir("threaded", THREAD_HELPER_MODEL)
+        runtime.load("threaded", folder)
+        helper = psutil.Process(_pids_in(folder, "helper.pid")[0])
+        time.sleep(0.3)  # a parent-death signal tied to the thread would have come by now
+        assert alive([helper]), "the helper died with the thread that started it"
+        runtime.unload("threaded")
+        wait_until(lambda: not alive([helper]), timeout=10, what="the helper to end with its worker")
