@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -234,15 +235,32 @@ async def start_grpc_server(
     """Builds, binds and starts the server; None, logged, if it cannot listen."""
     with grpc_threads_as_batch_work(settings):
         server = build_server(settings, supervisor, dispatcher, health_servicer)
+        path = settings.runtime_socket_path
+        if path and answers_on(path):
+            log.error("cannot listen on unix:%s (RUNTIME_SOCKET_PATH): another server listens there", path)
+            return None
         try:
             server.add_insecure_port(f"[::]:{settings.runtime_port}")
-            if settings.runtime_socket_path:
-                server.add_insecure_port(f"unix:{settings.runtime_socket_path}")
+            if path:
+                server.add_insecure_port(f"unix:{path}")
         except RuntimeError as error:
-            log.error("cannot listen on port %d: %s", settings.runtime_port, error)
+            where = f" or unix:{path}" if path else ""
+            log.error("cannot listen on port %d%s: %s", settings.runtime_port, where, error)
             return None
         await server.start()
     return server
+
+
+def answers_on(path: str) -> bool:
+    """Whether a server listens on the unix socket at path: grpc would unlink it and bind its own,
+    taking the socket from a front that runs (and removing it when it stops)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:  # nothing there, or a socket left by a front that is gone
+            return False
+    return True
 
 
 @contextlib.contextmanager

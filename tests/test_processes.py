@@ -16,6 +16,7 @@ import time
 import grpc
 import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from harness import Runtime, alive, expect_status, tree, wait_until
 from test_runtime_dir import record, start_titled
 
@@ -621,3 +622,21 @@ def test_a_helper_forked_from_a_thread_that_ends_lives_on_and_still_ends_with_it
         assert alive([helper]), "the helper died with the thread that started it"
         runtime.unload("threaded")
         wait_until(lambda: not alive([helper]), timeout=10, what="the helper to end with its worker")
+
+
+def test_runtime_socket_path_serves_refuses_a_second_front_and_is_bound_over_once_stale(tmp_path):
+    path = str(tmp_path / "mesh.sock")
+    with Runtime(RUNTIME_SOCKET_PATH=path) as first:
+        first.load("m", first.model_dir("m"))
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        code, log, _ = _run_until_it_exits(Runtime(RUNTIME_SOCKET_PATH=path))
+        assert code == 2 and f"cannot listen on unix:{path} (RUNTIME_SOCKET_PATH)" in log
+        assert os.path.exists(path) and first.infer_fp32("m", [1.0]).outputs
+        first.process.kill()  # gone without removing its socket
+        first.process.wait()
+    assert os.path.exists(path)
+    with Runtime(RUNTIME_SOCKET_PATH=path) as second:
+        assert "cannot listen" not in second.log()
+    assert not os.path.exists(path)
