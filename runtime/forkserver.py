@@ -41,6 +41,11 @@ log = logging.getLogger("mesh.forkserver")
 BASE_GROUP = "base"
 # How long stop() waits for each fork server (and the resource tracker) before SIGKILL.
 STOP_SECONDS = 5.0
+# How long a fork server that runs may take to fork a worker, and one starting to import what it
+# preloads and fork its first, before it is taken for hung and SIGKILLed (then started again).
+FORK_SECONDS = 10.0
+PRELOAD_SECONDS = 120.0
+START_ATTEMPTS = 3  # a fork server that dies as it starts, at start-up, is started again
 FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework)
 # Frameworks that share one fork server: xgboost and lightgbm import scipy and
 # scikit-learn themselves, so fork servers of their own would each hold
@@ -97,10 +102,18 @@ class ForkServers:
         child forked from it, which exits at once, comes only then): the front reads what they
         cost when it reports its capacity, which with no warm spare would come before any ran."""
         for group in self.groups():
-            probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="mesh-probe")
-            self.start_process(group, probe)
-            probe.join(timeout=120)
-            probe.close()
+            for attempt in range(1, START_ATTEMPTS + 1):
+                probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="mesh-probe")
+                try:
+                    self.start_process(group, probe)
+                except (EOFError, OSError) as error:  # it died importing (the OOM killer, say)
+                    if attempt == START_ATTEMPTS:
+                        raise
+                    log.warning("the %s fork server died as it started (%r); starting it again", group, error)
+                    continue
+                probe.join(timeout=PRELOAD_SECONDS)
+                probe.close()
+                break
 
     def _server(self, group: str) -> multiprocessing.forkserver.ForkServer:
         """The group's fork server, made if need be, with the environment it reads as it starts."""
@@ -121,10 +134,13 @@ class ForkServers:
     def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
         """Forks `process` from the group's fork server, starting that first if need be; its pid."""
         server = self._server(group)
+        running = self._identities.get(group)
+        limit = FORK_SECONDS if running is not None and lifeline.lives(running) else PRELOAD_SECONDS
         default_connect = multiprocessing.forkserver.connect_to_new_process
         multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
         try:
-            process.start()
+            with _killed_if_longer(server, limit, f"the {group} fork server forked no worker"):
+                process.start()
         finally:
             multiprocessing.forkserver.connect_to_new_process = default_connect
         self._note_pid(group, server)
@@ -219,6 +235,29 @@ def _stop_within(helper, seconds: float) -> None:
         if killer is not None:
             killer.cancel()
             killer.join()
+
+
+@contextlib.contextmanager
+def _killed_if_longer(server: multiprocessing.forkserver.ForkServer, seconds: float, what: str):
+    """SIGKILL to the fork server if the block runs longer than `seconds`. multiprocessing waits
+    for a fork server's answer with no limit: a stopped or hung one would hold the spawner thread,
+    every worker start behind it and the front's stop for good; killed, the wait ends (EOFError).
+    Its pid is read when the timer fires: a start may have begun by starting it."""
+
+    def kill() -> None:
+        pid = getattr(server, "_forkserver_pid", None)
+        if pid is not None:  # our child, not yet reaped: the pid is still its own
+            log.error("%s within %g s: killing it (pid %d)", what, seconds, pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(seconds, kill)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
 
 
 def _kill_stuck(identity: tuple[int, int], seconds: float) -> None:

@@ -1,7 +1,9 @@
 """runtime/forkserver.py: one fork server per framework, each started by its format's first load,
 each with WORKERS_WARM spares of its own, and room made at WORKERS_MAX."""
 
+import multiprocessing
 import os
+import signal
 
 import psutil
 import pytest
@@ -44,6 +46,49 @@ def test_starting_every_fork_server_returns_once_each_has_imported_its_preload(t
         assert started and all("/numpy/" in open(f"/proc/{pid}/maps").read() for pid in started)
     finally:
         servers.stop()
+
+
+def test_a_fork_server_that_stops_answering_is_killed_and_the_next_start_gets_another(tmp_path, monkeypatch):
+    monkeypatch.setattr(forkserver, "FORK_SECONDS", 0.5)
+    started: list[int] = []
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), started.append)
+    try:
+        servers.start_all()
+        (stopped,) = started
+        os.kill(stopped, signal.SIGSTOP)  # it runs, and answers nothing
+        with pytest.raises(EOFError):  # not a wait for ever on the spawner thread
+            servers.start_process(forkserver.BASE_GROUP, probe())
+        assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+        forked = probe()
+        servers.start_process(forkserver.BASE_GROUP, forked)
+        forked.join(timeout=30)
+        assert forked.exitcode == 0 and len(started) == 2
+    finally:
+        servers.stop()
+
+
+def test_a_fork_server_that_dies_as_the_pool_starts_is_started_again(tmp_path, monkeypatch, caplog):
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), print)
+    real_start, deaths = servers.start_process, [EOFError("unexpected EOF")]
+
+    def dies_once(group, process):
+        if deaths:
+            raise deaths.pop()
+        return real_start(group, process)
+
+    monkeypatch.setattr(servers, "start_process", dies_once)
+    try:
+        servers.start_all()
+        assert servers.all_running()
+        assert "the base fork server died as it started (EOFError('unexpected EOF')); starting it again" in (
+            caplog.text
+        )
+    finally:
+        servers.stop()
+
+
+def probe() -> multiprocessing.process.BaseProcess:
+    return multiprocessing.get_context("forkserver").Process(target=os.getpid)
 
 
 def sklearn_model(rt: Runtime) -> str:
