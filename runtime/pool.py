@@ -101,13 +101,13 @@ class WorkerPool:
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self.spares()))
 
-    async def close(self) -> None:
-        """Kills every worker, waits until each is reaped, stops the fork server."""
+    async def close(self) -> list[Worker]:
+        """Kills every worker, waits until each is reaped, stops the fork servers; those not seen to exit."""
         self._closing = True
         self._closed.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        # A spawn under way is let finish: cancelling it could lose a process being forked right now.
+        # A spawn under way is let finish (or its hung fork server killed): cancelling could lose a fork.
         if self._refill_task is not None:
             await asyncio.gather(self._refill_task, return_exceptions=True)
         workers = list(self._workers.values())
@@ -116,10 +116,17 @@ class WorkerPool:
         if workers:
             await asyncio.wait([w.exited for w in workers], timeout=10)
         self.heap.cancel()  # the front is about to exit: that gives everything back
-        await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.stop)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._spawner, self._forkservers.stop)
+        # A hung fork server's workers are reaped only once it is gone: it writes their exits.
+        if unreaped := [w for w in workers if not w.exited.done()]:
+            await asyncio.wait([w.exited for w in unreaped], timeout=forkserver.STOP_SECONDS)
+        for worker in (unreaped := [w for w in workers if not w.exited.done()]):
+            loop.remove_reader(worker.process.sentinel)  # a reap now would find the beat file closed
         self._spawner.shutdown(wait=True)
         await self.channel.close()
         self.beats.close()
+        return unreaped
 
     # -- handing out workers --------------------------------------------------
 
@@ -363,12 +370,8 @@ class WorkerPool:
         worker.exited.set_result(code)
         worker.running = frozenset(model_id for model_id, calls in worker.calls.items() if calls > 0)
         self.channel.fail_peer(worker.identity, code, worker.death_cause)
-        log.info(
-            "%r exited (%s)",
-            worker,
-            worker.death_cause or status.describe_exit(code),
-            extra={"model_id": worker.model_id} if worker.model_id else None,
-        )
+        extra = {"model_id": worker.model_id} if worker.model_id else None
+        log.info("%r exited (%s)", worker, worker.death_cause or status.describe_exit(code), extra=extra)
         self._on_worker_exit(worker, code)
         self.heap.note()  # what the front held for the worker is free now
         self._schedule_refill()
@@ -379,18 +382,15 @@ class WorkerPool:
         worker.orphaned = not self._closing and self._forkservers.revive_if_dead(
             worker.group, worker.forked_by
         )
-        process = worker.process
-        pid = worker.pid
+        process, pid = worker.process, worker.pid
         assert pid is not None  # _spawn_one watches the sentinel only once the pid is set
         process.join(timeout=5)
         code = process.exitcode
         if code is not None:
             process.close()
         self.registry.remove(pid, worker.pid_identity)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(stacks.stacks_path(self.settings.runtime_dir, pid))
-        except FileNotFoundError:
-            pass
         return code
 
     def _background(self, coroutine, name: str) -> asyncio.Task:

@@ -340,7 +340,10 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.shutdown_grace_ms / 1000)
     await admin.close()
-    await supervisor.close()
+    if unreaped := await supervisor.close():
+        # Their records stay in RUNTIME_DIR: the next front on it kills any that still runs.
+        log.error("stopped; %d workers not seen to exit: %s", len(unreaped), unreaped)
+        return 1
     rundir.remove(settings.runtime_dir)
     log.info("stopped; every worker reaped")
     return exit_code

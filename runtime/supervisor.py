@@ -82,13 +82,13 @@ class Supervisor:
                 watch_memory(self, self.pool, self.settings.worker_memory_limit_bytes), name="memory-watchdog"
             )
 
-    async def close(self) -> None:
+    async def close(self) -> list[Worker]:
         if self._watchdog is not None:
             self._watchdog.cancel()
         for model in list(self._models.values()):
             model.unload_requested = True
             self.discard(model)
-        await self.pool.close()
+        return await self.pool.close()
 
     def capacity(self) -> int:
         """Container memory minus the buffer minus what the front, fork server and spares cost.

@@ -640,3 +640,17 @@ def test_runtime_socket_path_serves_refuses_a_second_front_and_is_bound_over_onc
     with Runtime(RUNTIME_SOCKET_PATH=path) as second:
         assert "cannot listen" not in second.log()
     assert not os.path.exists(path)
+
+
+@pytest.mark.slow  # waits out the workers' exits (10 s) and the fork server's stop (5 s)
+def test_a_front_stops_cleanly_though_its_fork_server_is_stopped():
+    with Runtime() as runtime:
+        runtime.load("m", runtime.model_dir("m"))
+        processes = tree(runtime.pid)
+        (server,) = runtime.forkservers()
+        server.suspend()  # it writes no worker's exit until it is killed
+        runtime.process.send_signal(signal.SIGTERM)
+        assert runtime.process.wait(40) == 0
+        log = runtime.log()
+        assert "stopped; every worker reaped" in log and "Traceback" not in log, log[-3000:]
+        wait_until(lambda: not alive(processes), timeout=10, what="every process to end")
