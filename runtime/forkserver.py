@@ -31,9 +31,9 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import threading
-from collections.abc import Callable
 
 from plumbing import lifeline, logsetup, titles
+from runtime.leftovers import ProcessRegistry
 from workers import formats, protocol
 
 log = logging.getLogger("mesh.forkserver")
@@ -74,12 +74,19 @@ class ForkServers:
     signal (workers/preload.py) fires if it ends.
     """
 
-    def __init__(self, preload: tuple[str, ...], runtime_dir: str, log_settings: tuple[str, str], on_started):
+    def __init__(
+        self,
+        preload: tuple[str, ...],
+        runtime_dir: str,
+        log_settings: tuple[str, str],
+        records: ProcessRegistry,
+    ):
         self._preload = preload
         self._common = tuple(module for module in preload if module not in FRAMEWORKS)
         self._runtime_dir = runtime_dir
         self._log_settings = log_settings
-        self._on_started: Callable[[int], None] = on_started  # told each new fork server's pid
+        # The pool's ProcessRegistry: told each fork server's pid as it starts, and as it is reaped.
+        self._records = records
         self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
         self._pids: dict[str, int] = {}
         self._identities: dict[str, tuple[int, int] | None] = {}  # lifeline.process_identity()
@@ -208,10 +215,11 @@ class ForkServers:
                 log.warning("the %s fork server died; multiprocessing started another", group)
                 if (dead := self._identities[group]) is not None:
                     self._dead.add(dead)
+                self._records.remove(self._pids[group])  # reaped as the other started
             self._pids[group] = pid
             self._identities[group] = lifeline.process_identity(pid)
             log.info("fork server %s (pid %d) imports %s", group, pid, ", ".join(self.preload_of(group)))
-            self._on_started(pid)
+            self._records.add(pid)
 
 
 def _stop_within(helper, seconds: float) -> None:

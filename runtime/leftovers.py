@@ -13,6 +13,7 @@ very RUNTIME_DIR (plumbing/titles.py), and leaves anything else alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -94,6 +95,10 @@ class ProcessRegistry:
         folder = shmblocks.records_folder(self.runtime_dir)
         for name in os.listdir(folder):  # the earlier front's tracker is gone, ours never knew them
             self._unlink_blocks_left(os.path.join(folder, name), forget=lambda name: None)
+        dumps = os.path.dirname(stacks.stacks_path(self.runtime_dir, 0))
+        for name in os.listdir(dumps):  # the stacks its workers wrote: none of ours yet
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(dumps, name))
         return [p.pid for p in survivors]
 
     def _unlink_blocks_left(

@@ -71,7 +71,7 @@ class WorkerPool:
         self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
         log_settings = (settings.log_level, settings.log_format)
         self._forkservers = forkserver.ForkServers(
-            settings.worker_preload, settings.runtime_dir, log_settings, on_started=self.registry.add
+            settings.worker_preload, settings.runtime_dir, log_settings, records=self.registry
         )
         self._workers: dict[bytes, Worker] = {}
         self._spares = Spares(settings.workers_warm, self._forkservers.groups())

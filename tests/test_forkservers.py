@@ -3,7 +3,6 @@ each with WORKERS_WARM spares of its own, and room made at WORKERS_MAX."""
 
 import multiprocessing
 import os
-import signal
 
 import psutil
 import pytest
@@ -13,6 +12,20 @@ from test_formats import make_examples
 from runtime import forkserver
 
 PRELOAD = ("numpy", "sklearn")
+
+
+class Records:
+    """Stands in for the pool's ProcessRegistry: the fork servers' pids as they start and are reaped."""
+
+    def __init__(self):
+        self.added: list[int] = []
+        self.removed: list[int] = []
+
+    def add(self, pid: int) -> None:
+        self.added.append(pid)
+
+    def remove(self, pid: int) -> None:
+        self.removed.append(pid)
 
 
 def test_a_format_is_forked_by_its_frameworks_server_when_that_is_preloaded_else_by_the_base_one():
@@ -32,15 +45,16 @@ def test_frameworks_that_import_scikit_learn_share_its_fork_server():
 
 def test_the_base_fork_server_imports_no_framework_and_each_other_its_frameworks():
     preload = ("numpy", "sklearn", "xgboost", "torch", "mymodule")
-    servers = forkserver.ForkServers(preload, "/run/x", ("info", "text"), print)
+    servers = forkserver.ForkServers(preload, "/run/x", ("info", "text"), Records())
     assert servers.groups() == (forkserver.BASE_GROUP, "sklearn+xgboost", "torch")
     assert servers.preload_of(forkserver.BASE_GROUP) == ("numpy", "mymodule")
     assert servers.preload_of("sklearn+xgboost") == ("numpy", "mymodule", "sklearn", "xgboost")
 
 
 def test_starting_every_fork_server_returns_once_each_has_imported_its_preload(tmp_path):
-    started: list[int] = []
-    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), started.append)
+    records = Records()
+    started = records.added
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), records)
     try:
         servers.start_all()  # the front reads their cost next, for the capacity it reports
         assert started and all("/numpy/" in open(f"/proc/{pid}/maps").read() for pid in started)
@@ -50,25 +64,27 @@ def test_starting_every_fork_server_returns_once_each_has_imported_its_preload(t
 
 def test_a_fork_server_that_stops_answering_is_killed_and_the_next_start_gets_another(tmp_path, monkeypatch):
     monkeypatch.setattr(forkserver, "FORK_SECONDS", 0.5)
-    started: list[int] = []
-    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), started.append)
+    records = Records()
+    started = records.added
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), records)
     try:
         servers.start_all()
         (stopped,) = started
-        os.kill(stopped, signal.SIGSTOP)  # it runs, and answers nothing
+        server = psutil.Process(stopped)
+        server.suspend()  # it runs, and answers nothing
         with pytest.raises(EOFError):  # not a wait for ever on the spawner thread
             servers.start_process(forkserver.BASE_GROUP, probe())
-        assert not psutil.pid_exists(stopped) or psutil.Process(stopped).status() == psutil.STATUS_ZOMBIE
+        wait_until(lambda: not alive([server]), what="the stopped fork server killed")
         forked = probe()
         servers.start_process(forkserver.BASE_GROUP, forked)
         forked.join(timeout=30)
-        assert forked.exitcode == 0 and len(started) == 2
+        assert forked.exitcode == 0 and len(started) == 2 and records.removed == [stopped]
     finally:
         servers.stop()
 
 
 def test_a_fork_server_that_dies_as_the_pool_starts_is_started_again(tmp_path, monkeypatch, caplog):
-    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), print)
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), Records())
     real_start, deaths = servers.start_process, [EOFError("unexpected EOF")]
 
     def dies_once(group, process):
@@ -169,6 +185,8 @@ def test_a_fork_server_that_dies_with_no_worker_of_its_own_is_reaped_and_started
         wait_until(lambda: not psutil.pid_exists(base.pid), timeout=10, what="the dead fork server reaped")
         wait_until(lambda: len(alive(rt.forkservers())) == 1, timeout=20, what="another started")
         assert "the base fork server died" in rt.log()
+        records = os.listdir(os.path.join(rt.env["RUNTIME_DIR"], "pids"))
+        assert str(base.pid) not in records and str(rt.forkservers()[0].pid) in records
 
 
 @pytest.mark.parametrize("per_worker", ["1", "4"])

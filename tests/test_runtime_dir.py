@@ -277,11 +277,15 @@ def test_purge_kills_a_recorded_mesh_runtime_process_of_this_runtime_dir(run_dir
     child = start_titled(titles.title("worker model=m", run_dir))
     try:
         record(run_dir, child)
+        registry = ProcessRegistry(run_dir)
+        with open(os.path.join(run_dir, "stacks", str(child.pid)), "w") as dump:
+            dump.write("its stacks, dumped on SIGUSR1")
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
-            assert ProcessRegistry(run_dir).purge() == [child.pid]
+            assert registry.purge() == [child.pid]
         assert child.wait(5) == -signal.SIGKILL
         assert f"killing pid {child.pid}, left behind by an earlier runtime" in caplog.text
         assert os.listdir(os.path.join(run_dir, "pids")) == []
+        assert os.listdir(os.path.join(run_dir, "stacks")) == []
     finally:
         end(child)
 
