@@ -4,6 +4,7 @@ Kept to light imports: multiprocessing may import the main module of the
 front in places, and it should cost nothing there.
 """
 
+import signal
 import sys
 
 
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as error:
         print(f"mesh-runtime: {error}", file=sys.stderr)
         return 2
+    # A SIGTERM during the imports below would kill the front with nothing yet to stop: held back
+    # until run() has its handler (StopSignals.note_early), then delivered. Threads started meanwhile
+    # keep them blocked, which is harmless: Python handles signals on the main thread.
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
     from runtime.server import run
 
     return run(settings)

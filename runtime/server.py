@@ -95,6 +95,8 @@ class StopSignals:
     def note_early(self) -> None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_early_signal)
+        # Held back by runtime/__main__.py through the imports: one sent meanwhile comes now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_early_signal(self, signum: int, frame) -> None:
         self._early = self._early or signum

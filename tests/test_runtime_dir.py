@@ -533,3 +533,23 @@ def test_any_number_of_sigints_end_in_a_clean_exit_0_with_every_process_reaped(e
         assert not os.path.exists(rt.env["RUNTIME_DIR"])
     finally:
         rt.stop()
+
+
+def _blocks_sigterm(pid: int) -> bool:
+    """Whether the process's main thread holds SIGTERM back (its SigBlk mask in /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        masks = dict(line.split(":\t", 1) for line in status if line.startswith("SigBlk"))
+    return bool(int(masks["SigBlk"], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_a_sigterm_while_the_front_imports_stops_it_once_started_with_exit_0():
+    rt = Runtime(WORKERS_WARM="1")
+    try:
+        rt.start(wait_ready=False)
+        wait_until(lambda: _blocks_sigterm(rt.pid), interval=0.001, what="the imports under way")
+        rt.process.send_signal(signal.SIGTERM)  # without the mask: exit -15, nothing cleaned
+        assert rt.process.wait(30) == 0, rt.log()
+        assert "SIGTERM came during startup: stopping once started" in rt.log()
+        assert not os.path.exists(rt.env["RUNTIME_DIR"])
+    finally:
+        rt.stop()
