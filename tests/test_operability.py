@@ -98,12 +98,32 @@ def test_inspect_workers_degraded_exit_1_while_a_model_heals(ops):
     ops.unload("healing-model")
 
 
-def test_inspect_workers_unreachable_exit_2_with_degraded_mode(ops, tmp_path):
-    done = script("inspect-workers", "--runtime-dir", str(tmp_path))
-    assert done.returncode == 2
-    assert "degraded mode" in done.stderr and "process title" in done.stderr
-    spare_pids = {p.pid for p in ops.spares()}
-    assert any(str(pid) in done.stdout for pid in spare_pids)  # found by title anyway
+def _inspect_unreachable(runtime) -> tuple[subprocess.CompletedProcess, dict[int, list[str]]]:
+    """inspect-workers with the runtime's admin socket out of its place; its rows by pid."""
+    socket = os.path.join(runtime.env["RUNTIME_DIR"], "admin.sock")
+    os.rename(socket, socket + ".away")  # still bound: the front answers whoever finds it
+    try:
+        done = script("inspect-workers", *rd(runtime))
+    finally:
+        os.rename(socket + ".away", socket)
+    return done, {int(line.split()[0]): line.split()[1:3] for line in done.stdout.splitlines()[1:]}
+
+
+def test_inspect_workers_unreachable_exit_2_with_degraded_mode(ops):
+    ops.load("degraded-model", ops.model_dir("degraded-model", HELD))
+    with Runtime(MODELS_PER_WORKER="4") as other:  # its processes must not show among ops's
+        other.load("packed", other.model_dir("packed"))
+        done, rows = _inspect_unreachable(ops)
+        assert done.returncode == 2
+        assert "degraded mode" in done.stderr and "process title" in done.stderr
+        spares = {p.pid for p in ops.spares()}
+        assert rows == {
+            p.pid: ["spare", "-"] if p.pid in spares else ["model", "degraded-model"] for p in ops.workers()
+        }
+        done, rows = _inspect_unreachable(other)
+        (pack,) = other.packs()
+        assert done.returncode == 2 and rows[pack.pid] == ["pack", "models=1"]
+    ops.unload("degraded-model")
 
 
 def test_worker_stacks_show_predict_while_busy(ops):

@@ -21,6 +21,7 @@ import time
 import psutil
 import zmq
 
+from plumbing import titles
 from runtime.admin import socket_path
 from runtime.settings import Settings, SettingsError
 
@@ -122,14 +123,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def rows_from_titles() -> list[dict]:
-    """Degraded mode: workers found by process title (what psutil can tell without the front)."""
+def role_in_title(cmdline: list[str], runtime_dir: str) -> tuple[str, str] | None:
+    """(role, model) of a worker or pack of runtime_dir from its title: ("model", its id),
+    ("spare", ""), ("pack", "models=N"); None for any other process."""
+    if not titles.is_runtime_process_of(cmdline, runtime_dir):
+        return None
+    text = " ".join(part for part in cmdline if part)
+    role = text[len(titles.TITLE_PREFIX) : -len(f" dir={runtime_dir}")]
+    for prefix, kind in (("worker model=", "model"), ("worker spare", "spare"), ("pack ", "pack")):
+        if role.startswith(prefix):
+            return kind, role[len(prefix) :]
+    return None  # the front, a fork server
+
+
+def rows_from_titles(runtime_dir: str) -> list[dict]:
+    """Degraded mode: the runtime's workers and packs, found by process title (what psutil can tell
+    without the front)."""
     rows = []
     for process in psutil.process_iter(["pid", "cmdline", "create_time"]):
-        title = " ".join(process.info["cmdline"] or []).strip()
-        if not title.startswith("mesh-runtime worker"):
+        found = role_in_title(process.info["cmdline"] or [], runtime_dir)
+        if found is None:
             continue
-        model = title.split("model=", 1)[1] if "model=" in title else ""
+        role, model = found
         try:
             uss, rss = process.memory_full_info().uss, process.memory_info().rss
         except psutil.Error:
@@ -137,7 +152,7 @@ def rows_from_titles() -> list[dict]:
         rows.append(
             {
                 "pid": process.info["pid"],
-                "role": "model" if model else "spare",
+                "role": role,
                 "model": model,
                 "state": "?",
                 "uptime_s": time.time() - process.info["create_time"],
@@ -159,7 +174,7 @@ def _inspect_once(runtime_dir: str, as_json: bool) -> int:
         models = _ask_list(runtime_dir, "models")
     except (Unreachable, Refused) as error:
         print(f"degraded mode: {error}; workers below were found by process title", file=sys.stderr)
-        rows, models, code = rows_from_titles(), [], UNREACHABLE
+        rows, models, code = rows_from_titles(runtime_dir), [], UNREACHABLE
     else:
         code = DEGRADED if any(m["degraded"] for m in models) else OK
     if as_json:
