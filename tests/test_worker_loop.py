@@ -72,6 +72,13 @@ def call(worker, body, method=protocol.METHOD_INFER, deadline=None):
     return msgpack.unpackb(reply[0]), reply[1:]
 
 
+@pytest.mark.parametrize("request_id", [0, 1, 127, 128, 255, 256, 65536, 2**32, 2**62])
+def test_a_reply_packer_packs_what_reply_packs(request_id):
+    packed = protocol.reply_packer(append_field=6)
+    assert packed(request_id) == protocol.reply(request_id, append_field=6)
+    assert protocol.parse_header(packed(request_id))["id"] == request_id
+
+
 def test_expired_call_is_dropped_without_running(worker):
     header, _ = call(worker, raw_request(), deadline=time.time() - 0.01)
     assert header["ok"] is False and header["error"] == protocol.ERROR_EXPIRED

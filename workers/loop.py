@@ -54,6 +54,9 @@ from workers.holding import Held, Holdings
 
 log = logging.getLogger("mesh.worker")
 
+# The header of every ModelInfer reply: raw outputs travel as frames the front appends as this field.
+_INFER_REPLY = protocol.reply_packer(append_field=v2.RAW_OUTPUT_FIELD)
+
 
 class Worker:
     def __init__(self, config: dict[str, Any], blocks: BlockNotes | None = None):
@@ -335,7 +338,7 @@ class Worker:
     @staticmethod
     def _infer_reply(call: batching.InferCall, outputs) -> list:
         body, buffers = responses.encode_response_parts(call.request, outputs, call.raw, call.requested)
-        return [protocol.reply(call.request_id, append_field=v2.RAW_OUTPUT_FIELD), body, *buffers]
+        return [_INFER_REPLY(call.request_id), body, *buffers]
 
     def _decoded_for_batch(self, header: dict, payloads: list) -> batching.InferCall | None:
         """A ModelInfer call that may share a predict, decoded; None for one that must run alone."""

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import mmap
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgpack
@@ -162,6 +162,21 @@ def pack_fields(fields: dict[str, Any]) -> bytes:
 def reply(request_id: int, **fields: Any) -> bytes:
     """Packs a successful reply header."""
     return header(OP_REPLY, request_id, ok=True, **fields)
+
+
+def reply_packer(**fields: Any) -> Callable[[int], bytes]:
+    """reply(request_id, **fields) for fields fixed once: the map is packed here, and each reply
+    only appends its id. A worker writes such a header for every call, and packing the whole
+    map (with the keyword arguments on the way) costs about nine times that (callgrind)."""
+    packed = reply(0, **fields)
+    # header() puts "id" last, and msgpack writes 0 as the one byte 0x00: all but it is the same for every id.
+    assert packed.endswith(b"\xa2id\x00"), packed
+    prefix, pack = packed[:-1], _packer.pack
+
+    def packed_reply(request_id: int) -> bytes:
+        return prefix + pack(request_id)
+
+    return packed_reply
 
 
 def error_reply(request_id: int, kind: str, message: str) -> bytes:
