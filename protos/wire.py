@@ -100,11 +100,19 @@ def bytes_field_header(number: int, length: int) -> bytes:
     return _encode_varint((number << 3) | _LENGTH_DELIMITED) + _encode_varint(length)
 
 
+# Key and length of a field numbered under 16 whose value is under 128 bytes (a byte each: most
+# fields of a small response), by number and length: looked up, they cost half what bytes() of
+# the two numbers does, and a small response writes several (callgrind).
+_SMALL_FIELD_HEADERS = [
+    [bytes(((number << 3) | _LENGTH_DELIMITED, length)) for length in range(128)] for number in range(16)
+]
+
+
 def length_delimited(number: int, value: bytes) -> bytes:
     """A whole length-delimited field (bytes, string, sub-message, packed repeated): key, length, value."""
     length = len(value)
-    if number < 16 and length < 128:  # key and length are a byte each: most fields of a small response
-        return bytes(((number << 3) | _LENGTH_DELIMITED, length)) + value
+    if number < 16 and length < 128:
+        return _SMALL_FIELD_HEADERS[number][length] + value
     return bytes_field_header(number, length) + value
 
 

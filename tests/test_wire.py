@@ -225,3 +225,10 @@ def test_hand_written_fields_match_protobuf():
     assert written == tensor.SerializeToString()
     assert wire.packed_varints(3, ()) == b"" and wire.string_field_bytes(1, "") == b""
     assert wire.length_delimited(5, b"") == b"\x2a\x00"
+
+
+@pytest.mark.parametrize("number", [1, 2, 5, 15, 16, 17, 300])
+@pytest.mark.parametrize("length", [0, 1, 127, 128, 300])
+def test_length_delimited_fields_of_every_size_match_the_helper(number, length):
+    value = bytes(range(256)) * 2
+    assert wire.length_delimited(number, value[:length]) == length_delimited(number, value[:length])
