@@ -57,8 +57,19 @@ class Dispatcher:
         model = self.supervisor.ready_model(model_id)
         model.called = True  # a load sent to its pack after this waits behind the call, not before
         self.budget.reserve(model_id, len(request))
+        # The deadline covers time in line too. Here rather than in a coroutine of its own: each
+        # one an await goes through costs the event loop as it starts and as the reply comes.
+        deadline = None if timeout is None else time.time() + timeout
         try:
-            worker, reply, frames = await self._run(model, method, request, timeout)
+            if timeout is None:  # no deadline, no timer
+                worker, reply, frames = await self._send_to_a_replica(model, method, request, None)
+            else:
+                async with asyncio.timeout(timeout):
+                    worker, reply, frames = await self._send_to_a_replica(model, method, request, deadline)
+        except TimeoutError:
+            raise status.deadline_exceeded(model_id) from None
+        except _CallLost as lost:  # out of the deadline's timer: the reap's wait keeps within it
+            raise await self._status_of_lost_call(model, lost.worker, lost.gone, deadline) from None
         finally:
             self.budget.release(model_id, len(request))
         if not reply["ok"]:
@@ -68,28 +79,13 @@ class Dispatcher:
         worker.served += 1
         return self._response(model_id, frames, reply.get("append_field"))
 
-    async def _run(
-        self, model: Model, method: str, request: bytes, timeout: float | None
-    ) -> tuple[Worker, dict, list]:
-        """Picks a replica, sends the call and awaits its reply; the deadline covers time in line too."""
-        deadline = None if timeout is None else time.time() + timeout
-        try:
-            if timeout is None:  # no deadline, no timer
-                return await self._send_to_a_replica(model, method, request, None)
-            async with asyncio.timeout(timeout):
-                return await self._send_to_a_replica(model, method, request, deadline)
-        except TimeoutError:
-            raise status.deadline_exceeded(model.model_id) from None
-        except _CallLost as lost:  # out of the deadline's timer: the reap's wait keeps within it
-            raise await self._status_of_lost_call(model, lost.worker, lost.gone, deadline) from None
-
     async def _send_to_a_replica(
         self, model: Model, method: str, request: bytes, deadline: float | None
     ) -> tuple[Worker, dict, list]:
-        """_run() once a replica is free. A call its pack had not begun when the pack was ended after
-        its models moved out goes again, to where the model moved: queued behind a call that kept
-        the pack from answering (the unload of that call's model recycled it; a slow load the pack
-        was left to), it never ran."""
+        """Picks a replica, sends the call and awaits its reply. A call its pack had not begun when
+        the pack was ended after its models moved out goes again, to where the model moved: queued
+        behind a call that kept the pack from answering (the unload of that call's model recycled
+        it; a slow load the pack was left to), it never ran."""
         for sends_left in range(RESENDS_MAX, -1, -1):
             worker = model.replicas.try_acquire() or await model.replicas.acquire()
             try:
