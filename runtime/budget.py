@@ -125,7 +125,8 @@ class ByteBudget:
         if self._ended:
             self._ended.discard(read)
         self.reading -= self.largest_request
-        self._let_readers_in()
+        if self._readers:  # nobody waits, nearly always: no call for every read
+            self._let_readers_in()
 
     def _begin_read(self, owner: Any) -> Read:
         read = next(self._read_ids)
@@ -213,7 +214,8 @@ class ByteBudget:
             self._held_by_model[model_id] = left
         else:
             del self._held_by_model[model_id]
-        self._let_readers_in()
+        if self._readers:  # as in done_reading()
+            self._let_readers_in()
 
     def hold_response(self, model_id: str, size: int) -> None:
         """Counts a response being sent as reserve() does, or raises RESOURCE_EXHAUSTED when

@@ -125,7 +125,8 @@ class ReplicaSet:
             worker.calls[self.model_id] = left
         else:
             del worker.calls[self.model_id]
-        self._serve_line()
+        if self._line:  # nobody waits unless every replica is full: no call for every release
+            self._serve_line()
 
     def _serve_line(self) -> None:
         while self._line:
