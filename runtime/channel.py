@@ -174,8 +174,10 @@ class Channel:
         except PeerGone as gone:
             self._end(request_id, error=gone)
         else:
-            if op == protocol.OP_CALL:  # a load or a drop answers in milliseconds: polling would
-                self.busy_poller.arm()  # only take a core from it, and from the calls meanwhile
+            # A load or a drop answers in milliseconds: polling would only take a core from it, and
+            # from the calls meanwhile. Off (the default), not even a call to arm() per call.
+            if op == protocol.OP_CALL and self.busy_poller.window_seconds > 0:
+                self.busy_poller.arm()
         return future
 
     async def request(
