@@ -124,8 +124,14 @@ class Worker:
         self.heap_to_trim = False
 
     def note_sizes(self, frames: Sequence) -> None:
-        if not self.heap_to_trim and max(map(len, frames), default=0) >= heap.TRIM_AFTER_BYTES:
-            self.heap_to_trim = True
+        # A plain loop: max() with a default parses its keyword on every call, and this runs for
+        # every message in and out, at 5.0 k instructions a message against 1.5 k (callgrind).
+        if self.heap_to_trim:
+            return
+        for frame in frames:
+            if len(frame) >= heap.TRIM_AFTER_BYTES:
+                self.heap_to_trim = True
+                return
 
     def send(self, frames: list) -> None:
         """Sends one message to the front (frames: header, then payloads)."""
