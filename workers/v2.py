@@ -46,6 +46,10 @@ MAX_DIMENSIONS = 32
 ELEMENT_LENGTH = struct.Struct("<I")  # what precedes each raw BYTES element
 
 
+# Integer datatypes protobuf carries in a wider field: their values are checked against their range.
+_NARROW_INTEGERS = frozenset({"INT8", "INT16", "UINT8", "UINT16"})
+
+
 class InvalidInput(ValueError):
     """The request does not fit the V2 rules or the model."""
 
@@ -113,13 +117,13 @@ def parameters_of(parameters) -> dict[str, Any]:
     return values
 
 
-def _datatype(name: str, datatype: str) -> tuple[np.dtype, str | None]:
-    try:
-        return DATATYPES[datatype]
-    except KeyError:
+def _datatype(tensor, datatype: str) -> tuple[np.dtype, str | None]:
+    known = DATATYPES.get(datatype)
+    if known is None:  # the name read only now: a upb field read costs as much as the lookup
         raise InvalidInput(
-            f"input {name!r}: unknown datatype {datatype!r} (expected one of {', '.join(DATATYPES)})"
-        ) from None
+            f"input {tensor.name!r}: unknown datatype {datatype!r} (expected one of {', '.join(DATATYPES)})"
+        )
+    return known
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -146,7 +150,7 @@ def _element_count(name: str, shape: tuple[int, ...]) -> int:
 
 def _from_raw(tensor, data: bytes, count: int) -> np.ndarray:
     datatype = tensor.datatype
-    dtype, _ = _datatype(tensor.name, datatype)
+    dtype, _ = _datatype(tensor, datatype)
     if tensor.HasField("contents") and tensor.contents.ByteSize():  # which? Triton refuses it too
         raise InvalidInput(f"input {tensor.name!r} has contents, and the request raw_input_contents")
     if datatype == "BYTES":
@@ -206,7 +210,7 @@ def _bytes_count_error(name: str, count: int, held: str) -> InvalidInput:
 
 def _from_contents(tensor, count: int) -> np.ndarray:
     datatype = tensor.datatype
-    dtype, field = _datatype(tensor.name, datatype)
+    dtype, field = _datatype(tensor, datatype)
     if field is None:
         raise InvalidInput(f"input {tensor.name!r}: {datatype} can only be sent in raw_input_contents")
     values = getattr(tensor.contents, field)
@@ -219,7 +223,7 @@ def _from_contents(tensor, count: int) -> np.ndarray:
         array = np.empty(count, dtype=object)
         array[:] = listed(values)
         return array
-    if dtype.itemsize >= 4 or dtype.kind not in "iu":
+    if datatype not in _NARROW_INTEGERS:
         # The field's own type, so every value fits. fromiter is four times as
         # fast as asarray, which probes protobuf's container as a sequence first.
         return np.fromiter(values, dtype, count)
