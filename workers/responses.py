@@ -55,15 +55,18 @@ def encode_response_parts(
     if requested is None:
         requested = output_names(request)
     wanted = requested or list(outputs)
-    missing = [name for name in wanted if name not in outputs]
-    if missing:
-        raise InvalidInput(
-            f"requested output {missing[0]!r} is not produced by the model "
-            f"(outputs: {', '.join(map(str, outputs))})"
-        )
+    # Plain loops rather than lists built to be looked at once: in Python 3.11 each comprehension
+    # is a function made and called, and a small response's encoding is mostly such overheads.
+    for name in wanted:
+        if name not in outputs:
+            raise InvalidInput(
+                f"requested output {name!r} is not produced by the model "
+                f"(outputs: {', '.join(map(str, outputs))})"
+            )
     tensors = [(_output_name(name), *_output_tensor(name, outputs[name])) for name in wanted]
-    # FP16 exists only raw, and raw is all-or-nothing across a response.
-    raw = raw or "FP16" in [datatype for _, datatype, _ in tensors]
+    for _, datatype, _ in tensors:
+        if datatype == "FP16":  # FP16 exists only raw, and raw is all-or-nothing across a response
+            raw = True
     # Written field by field (protos/grpc_predict_v2.proto): model_name 1, model_version 2,
     # id 3, outputs 5; in each output, name 1, datatype 2, shape 3, contents 5.
     fields = [
