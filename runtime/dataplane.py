@@ -56,19 +56,23 @@ ID_SEARCH_MAX_FIELDS = 1024
 
 def model_id_in_headers(metadata) -> str:
     """The id in model-mesh's headers: mm-model-id-bin (UTF-8) first, then mm-model-id; "" if neither."""
+    model_id = _unchecked_id_in_headers(metadata)
+    if model_id:
+        modelspec.check_model_id(model_id)  # a 1 MiB id is refused, not looked up
+    return model_id
+
+
+def _unchecked_id_in_headers(metadata) -> str:
+    """model_id_in_headers() before the id's check (service() checks only ids it has not kept)."""
     plain = ""
     for key, value in metadata or ():
         if key == "mm-model-id-bin" and value:
             try:
-                model_id = value.decode() if isinstance(value, bytes) else value
+                return value.decode() if isinstance(value, bytes) else value
             except UnicodeDecodeError:
                 raise status.invalid_argument("mm-model-id-bin is not UTF-8") from None
-            modelspec.check_model_id(model_id)  # a 1 MiB id is refused, not looked up
-            return model_id
         if key == "mm-model-id" and value and not plain:
             plain = value
-    if plain:
-        modelspec.check_model_id(plain)
     return plain
 
 
@@ -93,6 +97,10 @@ def model_id_in_request(request: bytes) -> str:
 
 async def _refuse(error: status.RpcError, request_iterator, context) -> None:
     await status.abort(context, error)  # without reading the request: it may be big
+
+
+def _refusing(error: status.RpcError) -> grpc.RpcMethodHandler:
+    return grpc.stream_unary_rpc_method_handler(functools.partial(_refuse, error))
 
 
 class InferenceService(grpc.GenericRpcHandler):
@@ -139,12 +147,17 @@ class InferenceService(grpc.GenericRpcHandler):
                 return handler
             forwarded = self._forwarded_as(method.lstrip("/"))
         try:
-            header_id = model_id_in_headers(handler_call_details.invocation_metadata)
+            header_id = _unchecked_id_in_headers(handler_call_details.invocation_metadata)
         except status.RpcError as error:
-            return grpc.stream_unary_rpc_method_handler(functools.partial(_refuse, error))
+            return _refusing(error)
         key = (method, header_id)
         handler = self._routed.get(key)
         if handler is None:
+            try:  # only here: the id of a kept handler passed it as the handler was kept
+                if header_id:
+                    modelspec.check_model_id(header_id)
+            except status.RpcError as error:
+                return _refusing(error)
             method_name, label = forwarded
             forward = functools.partial(InferenceService._forward, self, method_name, label, header_id)
             handler = grpc.stream_unary_rpc_method_handler(forward)  # read under the budget
