@@ -170,7 +170,7 @@ class Channel:
                 payloads, ring = self.rings.outgoing(peer, payloads)
                 if ring is not None:
                     fields[rings.FIELD] = ring
-            self.send(peer, protocol.header(op, request_id, **fields), payloads)
+            self.send(peer, protocol.header_of(op, request_id, fields), payloads)  # fields: ours
         except PeerGone as gone:
             self._end(request_id, error=gone)
         else:
