@@ -31,6 +31,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import threading
+import time
 
 from plumbing import lifeline, logsetup, titles
 from runtime.leftovers import ProcessRegistry
@@ -46,6 +47,7 @@ STOP_SECONDS = 5.0
 FORK_SECONDS = 10.0
 PRELOAD_SECONDS = 120.0
 START_ATTEMPTS = 3  # a fork server that dies as it starts, at start-up, is started again
+RESTART_PAUSE_SECONDS = 0.2
 FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework)
 # Frameworks that share one fork server: xgboost and lightgbm import scipy and
 # scikit-learn themselves, so fork servers of their own would each hold
@@ -90,6 +92,9 @@ class ForkServers:
         self._servers: dict[str, multiprocessing.forkserver.ForkServer] = {}
         self._pids: dict[str, int] = {}
         self._identities: dict[str, tuple[int, int] | None] = {}  # lifeline.process_identity()
+        # Each group's fork server once it has forked: one started (or started again) since may
+        # still be importing what it preloads, which takes far longer than a fork.
+        self._forked: dict[str, tuple[int, int] | None] = {}
         self._dead: set[tuple[int, int]] = set()  # the identities of those that died, reaped
 
     def groups(self) -> tuple[str, ...]:
@@ -117,6 +122,7 @@ class ForkServers:
                     if attempt == START_ATTEMPTS:
                         raise
                     log.warning("the %s fork server died as it started (%r); starting it again", group, error)
+                    time.sleep(RESTART_PAUSE_SECONDS)  # till it is a zombie: until then it looks alive
                     continue
                 probe.join(timeout=PRELOAD_SECONDS)
                 probe.close()
@@ -141,8 +147,7 @@ class ForkServers:
     def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
         """Forks `process` from the group's fork server, starting that first if need be; its pid."""
         server = self._server(group)
-        running = self._identities.get(group)
-        limit = FORK_SECONDS if running is not None and lifeline.lives(running) else PRELOAD_SECONDS
+        limit = self.fork_limit(group)
         default_connect = multiprocessing.forkserver.connect_to_new_process
         multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
         try:
@@ -151,9 +156,18 @@ class ForkServers:
         finally:
             multiprocessing.forkserver.connect_to_new_process = default_connect
         self._note_pid(group, server)
+        self._forked[group] = self._identities.get(group)
         forget(process)
         assert process.pid is not None  # start() returned: the fork server sent the child's pid
         return process.pid
+
+    def fork_limit(self, group: str) -> float:
+        """How long a start may wait for the group's fork server: FORK_SECONDS once the one running
+        has forked, PRELOAD_SECONDS while it may still import what it preloads."""
+        forked = self._forked.get(group)
+        if forked is not None and forked == self._identities.get(group) and lifeline.lives(forked):
+            return FORK_SECONDS
+        return PRELOAD_SECONDS
 
     def identity_of(self, group: str) -> tuple[int, int] | None:
         """The group's fork server as lifeline.process_identity() names it (None: not started)."""

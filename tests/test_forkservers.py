@@ -3,6 +3,7 @@ each with WORKERS_WARM spares of its own, and room made at WORKERS_MAX."""
 
 import multiprocessing
 import os
+import signal
 
 import psutil
 import pytest
@@ -79,6 +80,27 @@ def test_a_fork_server_that_stops_answering_is_killed_and_the_next_start_gets_an
         servers.start_process(forkserver.BASE_GROUP, forked)
         forked.join(timeout=30)
         assert forked.exitcode == 0 and len(started) == 2 and records.removed == [stopped]
+    finally:
+        servers.stop()
+
+
+def test_a_fork_server_started_again_gets_the_time_to_import_its_preload_until_it_has_forked(tmp_path):
+    records = Records()
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), records)
+    group = forkserver.BASE_GROUP
+    try:
+        assert servers.fork_limit(group) == forkserver.PRELOAD_SECONDS  # none yet
+        servers.start_all()
+        assert servers.fork_limit(group) == forkserver.FORK_SECONDS
+        first = servers.identity_of(group)
+        os.kill(first[0], signal.SIGKILL)
+        wait_until(lambda: servers.revive_if_dead(group, first), what="the fork server started again")
+        assert servers.identity_of(group) != first
+        assert servers.fork_limit(group) == forkserver.PRELOAD_SECONDS  # it may still be importing
+        forked = probe()
+        servers.start_process(group, forked)
+        forked.join(timeout=30)
+        assert servers.fork_limit(group) == forkserver.FORK_SECONDS
     finally:
         servers.stop()
 
