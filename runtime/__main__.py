@@ -9,6 +9,17 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A SIGTERM during the imports below would kill the front with nothing yet to stop: held back
+    # until run() has its handler (StopSignals.note_early), then delivered. Threads started meanwhile
+    # keep them blocked, which is harmless: Python handles signals on the main thread.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+    try:
+        return _main(argv)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _main(argv: list[str] | None) -> int:
     from runtime.settings import Settings, SettingsError, help_text
 
     args = sys.argv[1:] if argv is None else argv
@@ -23,10 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as error:
         print(f"mesh-runtime: {error}", file=sys.stderr)
         return 2
-    # A SIGTERM during the imports below would kill the front with nothing yet to stop: held back
-    # until run() has its handler (StopSignals.note_early), then delivered. Threads started meanwhile
-    # keep them blocked, which is harmless: Python handles signals on the main thread.
-    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
     from runtime.server import run
 
     return run(settings)
