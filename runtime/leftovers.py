@@ -97,7 +97,7 @@ class ProcessRegistry:
             self._unlink_blocks_left(os.path.join(folder, name), forget=lambda name: None)
         dumps = os.path.dirname(stacks.stacks_path(self.runtime_dir, 0))
         for name in os.listdir(dumps):  # the stacks its workers wrote: none of ours yet
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # no folder is ours
                 os.unlink(os.path.join(dumps, name))
         return [p.pid for p in survivors]
 

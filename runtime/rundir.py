@@ -6,14 +6,16 @@ have written it:
 
 - a symlink, or a folder that belongs to another uid, is refused;
 - a folder of ours that others could write to (group or other write bits),
-  or one holding a symlink or anything not ours or writable by others, is
-  emptied (without following a symlink, and killing nothing its records
-  name) and made 0700: a record of "our" processes in it may be planted;
-- a private folder whose contents are all ours and writable by us alone is
-  kept: the records of an earlier front's processes in it are the purge's to
-  act on (runtime/leftovers.py). Read bits do not matter inside a 0700
-  folder, nor a socket's write bits: it holds nothing anyone could plant,
-  and its mode follows the umask (0002 makes ours group-writable).
+  or one whose runtime entries (ENTRIES) hold a symlink or anything not ours
+  or writable by others, has those entries removed (without following a
+  symlink, and killing nothing their records name) and is made 0700: a
+  record of "our" processes in it may be planted. Anything else in the
+  folder is the operator's and stays: the runtime never reads it;
+- a private folder whose runtime entries are all ours and writable by us
+  alone is kept: the records of an earlier front's processes in it are the
+  purge's to act on (runtime/leftovers.py). Read bits do not matter inside a
+  0700 folder, nor a socket's write bits: it holds nothing anyone could
+  plant, and its mode follows the umask (0002 makes ours group-writable).
 
 One front per folder: the front holds an exclusive flock on `front.lock` in
 it for its whole life, and a second front on the same folder stops before it
@@ -173,16 +175,25 @@ def _drop_untrusted(lock_path: str) -> None:
 
 
 def find_untrusted_entry(path: str) -> str | None:
-    """Why the first entry below path that someone else could have written is not trusted; None if none is."""
-    for folder, folders, files in os.walk(path):  # does not follow symlinks
-        for name in folders + files:
-            entry = os.path.join(folder, name)
-            try:
-                reason = _distrust(entry, os.lstat(entry))
-            except FileNotFoundError:
-                continue  # gone since it was listed
-            if reason:
-                return reason
+    """Why the first of the runtime's entries in path (and what is below them) that someone else
+    could have written is not trusted; None if none is. Other files are never read: they do not count."""
+    for name in ENTRIES:
+        top = os.path.join(path, name)
+        try:
+            reason = _distrust(top, os.lstat(top))
+        except FileNotFoundError:
+            continue
+        if reason:
+            return reason
+        for folder, folders, files in os.walk(top):  # does not follow symlinks; nothing for a file
+            for below in folders + files:
+                entry = os.path.join(folder, below)
+                try:
+                    reason = _distrust(entry, os.lstat(entry))
+                except FileNotFoundError:
+                    continue  # gone since it was listed
+                if reason:
+                    return reason
     return None
 
 
@@ -197,14 +208,17 @@ def _distrust(entry: str, info: os.stat_result) -> str | None:
 
 
 def empty(path: str) -> None:
-    """Removes everything in path but the lock, following no symlink (a symlink itself is removed)."""
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                if entry.name != LOCK_NAME:
-                    _remove_entry(entry.path, entry.stat(follow_symlinks=False))
-    except OSError as error:
-        raise RuntimeDirError(f"RUNTIME_DIR: cannot empty {path}: {error}") from None
+    """Removes the runtime's entries in path but the lock, following no symlink (a symlink itself
+    is removed); what else is in it stays: the runtime never reads it."""
+    for name in ENTRIES:
+        entry = os.path.join(path, name)
+        try:
+            if name != LOCK_NAME:
+                _remove_entry(entry, os.lstat(entry))
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise RuntimeDirError(f"RUNTIME_DIR: cannot empty {path}: {error}") from None
 
 
 def _remove_entry(entry: str, info: os.stat_result) -> None:

@@ -147,10 +147,13 @@ def test_a_folder_others_could_write_to_is_emptied_without_following_symlinks_an
     elsewhere.mkdir()
     (elsewhere / "precious").write_text("x")
     private_folder_with_our_records(run_dir)
-    os.symlink(elsewhere, os.path.join(run_dir, "stacks-link"))
+    os.symlink(elsewhere, os.path.join(run_dir, "stacks", "link"))
+    os.symlink(elsewhere, os.path.join(run_dir, "operators-link"))  # not the runtime's: stays
+    with open(os.path.join(run_dir, "operators-notes"), "w") as notes:
+        notes.write("kept")
     os.chmod(run_dir, 0o777)
     with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
-        assert listing(run_dir) == {rundir.LOCK_NAME}
+        assert listing(run_dir) == {rundir.LOCK_NAME, "operators-link", "operators-notes"}
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert "not trusted: the folder was writable by others (mode 0777); emptying it" in caplog.text
     assert listing(str(elsewhere)) == {"precious"}
@@ -158,6 +161,17 @@ def test_a_folder_others_could_write_to_is_emptied_without_following_symlinks_an
 
 def test_a_private_folder_whose_contents_are_ours_and_private_is_kept(run_dir, caplog):
     private_folder_with_our_records(run_dir)
+    before = listing(run_dir)
+    with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
+        assert listing(run_dir) == before | {rundir.LOCK_NAME}
+    assert "not trusted" not in caplog.text
+
+
+def test_what_is_not_the_runtimes_in_a_private_folder_neither_counts_nor_goes(tmp_path, run_dir, caplog):
+    private_folder_with_our_records(run_dir)
+    os.symlink(tmp_path, os.path.join(run_dir, "operators-link"))
+    with open(os.path.join(run_dir, "shared-notes"), "w") as notes:
+        os.fchmod(notes.fileno(), 0o666)
     before = listing(run_dir)
     with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
         assert listing(run_dir) == before | {rundir.LOCK_NAME}
@@ -280,12 +294,13 @@ def test_purge_kills_a_recorded_mesh_runtime_process_of_this_runtime_dir(run_dir
         registry = ProcessRegistry(run_dir)
         with open(os.path.join(run_dir, "stacks", str(child.pid)), "w") as dump:
             dump.write("its stacks, dumped on SIGUSR1")
+        os.mkdir(os.path.join(run_dir, "stacks", "not-a-dump"))  # no front makes one: left
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
             assert registry.purge() == [child.pid]
         assert child.wait(5) == -signal.SIGKILL
         assert f"killing pid {child.pid}, left behind by an earlier runtime" in caplog.text
         assert os.listdir(os.path.join(run_dir, "pids")) == []
-        assert os.listdir(os.path.join(run_dir, "stacks")) == []
+        assert os.listdir(os.path.join(run_dir, "stacks")) == ["not-a-dump"]
     finally:
         end(child)
 
