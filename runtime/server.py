@@ -260,8 +260,10 @@ def answers_on(path: str) -> bool:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except OSError:  # nothing there, or a socket left by a front that is gone
+        except (FileNotFoundError, ConnectionRefusedError):  # nothing there, or a front gone
             return False
+        except OSError:  # a listener too busy to take one more (EAGAIN), say: someone is there
+            return True
     return True
 
 

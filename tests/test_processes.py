@@ -21,7 +21,7 @@ from harness import Runtime, alive, expect_status, tree, wait_until
 from test_runtime_dir import record, start_titled
 
 from plumbing import lifeline, priority, titles
-from runtime import forkserver
+from runtime import forkserver, server
 from runtime.worker import KillCause, Worker
 
 # Packs of 4 under a limit that the helpers' memory stays under: what moves a model with helpers out of
@@ -654,3 +654,25 @@ def test_a_front_stops_cleanly_though_its_fork_server_is_stopped():
         log = runtime.log()
         assert "stopped; every worker reaped" in log and "Traceback" not in log, log[-3000:]
         wait_until(lambda: not alive(processes), timeout=10, what="every process to end")
+
+
+def test_a_unix_socket_is_taken_for_answered_while_anything_listens_on_it(tmp_path):
+    path = str(tmp_path / "probe.sock")
+    assert not server.answers_on(path)  # nothing there
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        assert not server.answers_on(path)  # bound, not listening: as a front that is gone leaves it
+        listener.listen(0)
+        assert server.answers_on(path)
+        waiting = []
+        try:  # a listener too busy to take one more still listens
+            while True:
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                waiting.append(client)
+                client.setblocking(False)
+                client.connect(path)
+        except BlockingIOError:
+            assert server.answers_on(path)
+        finally:
+            for client in waiting:
+                client.close()
