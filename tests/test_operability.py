@@ -99,11 +99,12 @@ def test_inspect_workers_degraded_exit_1_while_a_model_heals(ops):
 
 
 def _inspect_unreachable(runtime) -> tuple[subprocess.CompletedProcess, dict[int, list[str]]]:
-    """inspect-workers with the runtime's admin socket out of its place; its rows by pid."""
+    """inspect-workers with the runtime's admin socket out of its place (and the folder named with
+    a trailing slash); its rows by pid."""
     socket = os.path.join(runtime.env["RUNTIME_DIR"], "admin.sock")
     os.rename(socket, socket + ".away")  # still bound: the front answers whoever finds it
     try:
-        done = script("inspect-workers", *rd(runtime))
+        done = script("inspect-workers", "--runtime-dir", runtime.env["RUNTIME_DIR"] + "/")
     finally:
         os.rename(socket + ".away", socket)
     return done, {int(line.split()[0]): line.split()[1:3] for line in done.stdout.splitlines()[1:]}

@@ -84,7 +84,7 @@ def _ask_list(runtime_dir: str, command: str) -> list[dict]:
 
 def _runtime_dir(given: str | None) -> str:
     if given:
-        return given
+        return os.path.abspath(given)  # as the front reads RUNTIME_DIR: normalised, its titles too
     try:
         return Settings.from_env().runtime_dir
     except SettingsError as error:
