@@ -17,7 +17,9 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import signal
+import stat
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker
@@ -79,7 +81,7 @@ class ProcessRegistry:
             process = self._recorded_process(name)
             if process is not None and self._is_ours_to_kill(process):
                 survivors.append(process)
-            os.unlink(os.path.join(self.folder, name))
+            _discard(os.path.join(self.folder, name))
         for process in survivors:
             log.warning("killing pid %d, left behind by an earlier runtime on this RUNTIME_DIR", process.pid)
             try:
@@ -97,8 +99,7 @@ class ProcessRegistry:
             self._unlink_blocks_left(os.path.join(folder, name), forget=lambda name: None)
         dumps = os.path.dirname(stacks.stacks_path(self.runtime_dir, 0))
         for name in os.listdir(dumps):  # the stacks its workers wrote: none of ours yet
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # no folder is ours
-                os.unlink(os.path.join(dumps, name))
+            _discard(os.path.join(dumps, name))
         return [p.pid for p in survivors]
 
     def _unlink_blocks_left(
@@ -161,6 +162,16 @@ class ProcessRegistry:
             )
             return False
         return True
+
+
+def _discard(path: str) -> None:
+    """Removes what is at path in one of the runtime's folders, a folder whole (no front makes one
+    there, but whatever is in them is the runtime's: a stop removes them whole too)."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 def _running(process: psutil.Process) -> bool:

@@ -36,7 +36,8 @@ log = logging.getLogger("mesh.rundir")
 # sockaddr_un holds 108 bytes; ipc:// addresses must fit with their file name.
 MAX_SOCKET_PATH = 100
 LOCK_NAME = "front.lock"
-# Everything the runtime makes in RUNTIME_DIR: a stop removes these and leaves anything else.
+# Everything the runtime makes in RUNTIME_DIR: a stop removes these and leaves anything else. The
+# `own` of the functions below adds RUNTIME_SOCKET_PATH's name when the socket is in the folder.
 ENTRIES = (LOCK_NAME, "workers.sock", "admin.sock", "beats", "pids", "stacks", "shm")
 _OTHERS_MAY_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
@@ -63,7 +64,12 @@ class Lock:
         self.close()
 
 
-def prepare(path: str) -> Lock:
+def names_in(path: str, *files: str | None) -> tuple[str, ...]:
+    """The names of those of `files` right in the folder `path`: what else of the runtime's is in it."""
+    return tuple(os.path.basename(f) for f in files if f and os.path.dirname(f) == path)
+
+
+def prepare(path: str, own: tuple[str, ...] = ()) -> Lock:
     """Makes RUNTIME_DIR ours and private and locks it for this front; raises RuntimeDirError if it cannot.
 
     The contents are judged, and emptied if untrusted, only once the lock is
@@ -76,10 +82,10 @@ def prepare(path: str) -> Lock:
     loose = make_private(path)
     lock = take_lock(path)
     try:
-        reason = loose or find_untrusted_entry(path)
+        reason = loose or find_untrusted_entry(path, own)
         if reason:
-            log.warning("RUNTIME_DIR %s is not trusted: %s; emptying it", path, reason)
-            empty(path)
+            log.warning("RUNTIME_DIR %s is not trusted: %s; removing the runtime's entries", path, reason)
+            empty(path, own)
     except BaseException:
         lock.close()
         raise
@@ -174,10 +180,10 @@ def _drop_untrusted(lock_path: str) -> None:
             raise RuntimeDirError(f"RUNTIME_DIR: cannot remove the untrusted {lock_path}: {error}") from None
 
 
-def find_untrusted_entry(path: str) -> str | None:
+def find_untrusted_entry(path: str, own: tuple[str, ...] = ()) -> str | None:
     """Why the first of the runtime's entries in path (and what is below them) that someone else
     could have written is not trusted; None if none is. Other files are never read: they do not count."""
-    for name in ENTRIES:
+    for name in (*ENTRIES, *own):
         top = os.path.join(path, name)
         try:
             reason = _distrust(top, os.lstat(top))
@@ -204,13 +210,15 @@ def _distrust(entry: str, info: os.stat_result) -> str | None:
         return f"{entry} belongs to uid {info.st_uid}"
     if info.st_mode & _OTHERS_MAY_WRITE and not stat.S_ISSOCK(info.st_mode):
         return f"{entry} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:  # a link to a file of ours elsewhere
+        return f"{entry} has {info.st_nlink} hard links"
     return None
 
 
-def empty(path: str) -> None:
+def empty(path: str, own: tuple[str, ...] = ()) -> None:
     """Removes the runtime's entries in path but the lock, following no symlink (a symlink itself
     is removed); what else is in it stays: the runtime never reads it."""
-    for name in ENTRIES:
+    for name in (*ENTRIES, *own):
         entry = os.path.join(path, name)
         try:
             if name != LOCK_NAME:
@@ -228,10 +236,10 @@ def _remove_entry(entry: str, info: os.stat_result) -> None:
         os.unlink(entry)
 
 
-def remove(path: str) -> None:
+def remove(path: str, own: tuple[str, ...] = ()) -> None:
     """Removes what the runtime made in path, then path itself if that leaves it empty: a folder
     given with files of its own keeps them."""
-    for name in ENTRIES:
+    for name in (*ENTRIES, *own):
         entry = os.path.join(path, name)
         try:
             _remove_entry(entry, os.lstat(entry))

@@ -66,7 +66,7 @@ def run(settings: Settings) -> int:
         )
     try:
         # Held for the front's whole life: the purge of leftovers and all the rest run under it.
-        lock = rundir.prepare(settings.runtime_dir)
+        lock = rundir.prepare(settings.runtime_dir, own_entries(settings))
     except rundir.RuntimeDirError as error:
         log.error("%s", error)
         return 2
@@ -253,6 +253,11 @@ async def start_grpc_server(
     return server
 
 
+def own_entries(settings: Settings) -> tuple[str, ...]:
+    """RUNTIME_SOCKET_PATH's name when it is in RUNTIME_DIR: judged, removed and made as its entries."""
+    return rundir.names_in(settings.runtime_dir, settings.runtime_socket_path)
+
+
 def answers_on(path: str) -> bool:
     """Whether a server listens on the unix socket at path: grpc would unlink it and bind its own,
     taking the socket from a front that runs (and removing it when it stops)."""
@@ -260,10 +265,10 @@ def answers_on(path: str) -> bool:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
-        except (FileNotFoundError, ConnectionRefusedError):  # nothing there, or a front gone
-            return False
-        except OSError:  # a listener too busy to take one more (EAGAIN), say: someone is there
+        except (BlockingIOError, TimeoutError):  # a listener too busy to take one more
             return True
+        except OSError:  # nothing there, a front gone, or no socket: grpc's bind says why
+            return False
     return True
 
 
@@ -313,11 +318,11 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
             supervisor.metrics.serve(settings.metrics_port, supervisor)
         except OSError as error:
             log.error("cannot serve metrics on METRICS_PORT=%d: %s", settings.metrics_port, error)
-            rundir.remove(settings.runtime_dir)  # nothing started yet: the folder's files alone
+            rundir.remove(settings.runtime_dir, own_entries(settings))  # nothing started yet
             return 2
     server = await start_grpc_server(settings, supervisor, dispatcher, health_servicer)
     if server is None:
-        rundir.remove(settings.runtime_dir)
+        rundir.remove(settings.runtime_dir, own_entries(settings))
         return 2
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info(
@@ -348,7 +353,7 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
         # Their records stay in RUNTIME_DIR: the next front on it kills any that still runs.
         log.error("stopped; %d workers not seen to exit: %s", len(unreaped), unreaped)
         return 1
-    rundir.remove(settings.runtime_dir)
+    rundir.remove(settings.runtime_dir, own_entries(settings))
     log.info("stopped; every worker reaped")
     return exit_code
 

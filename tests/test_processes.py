@@ -659,6 +659,8 @@ def test_a_front_stops_cleanly_though_its_fork_server_is_stopped():
 def test_a_unix_socket_is_taken_for_answered_while_anything_listens_on_it(tmp_path):
     path = str(tmp_path / "probe.sock")
     assert not server.answers_on(path)  # nothing there
+    (tmp_path / "a-file").write_text("")
+    assert not server.answers_on(str(tmp_path / "a-file" / "x.sock"))  # no socket: grpc says why
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(path)
         assert not server.answers_on(path)  # bound, not listening: as a front that is gone leaves it

@@ -155,7 +155,8 @@ def test_a_folder_others_could_write_to_is_emptied_without_following_symlinks_an
     with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
         assert listing(run_dir) == {rundir.LOCK_NAME, "operators-link", "operators-notes"}
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
-    assert "not trusted: the folder was writable by others (mode 0777); emptying it" in caplog.text
+    said = "not trusted: the folder was writable by others (mode 0777); removing the runtime's entries"
+    assert said in caplog.text
     assert listing(str(elsewhere)) == {"precious"}
 
 
@@ -176,6 +177,29 @@ def test_what_is_not_the_runtimes_in_a_private_folder_neither_counts_nor_goes(tm
     with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
         assert listing(run_dir) == before | {rundir.LOCK_NAME}
     assert "not trusted" not in caplog.text
+
+
+def test_runtime_socket_path_in_the_folder_is_judged_and_removed_as_the_runtimes(tmp_path, run_dir):
+    assert rundir.names_in(run_dir, os.path.join(run_dir, "grpc.sock"), None, "/elsewhere/x.sock") == (
+        "grpc.sock",
+    )
+    private_folder_with_our_records(run_dir)
+    os.symlink(tmp_path, os.path.join(run_dir, "grpc.sock"))  # planted where the front will listen
+    with rundir.prepare(run_dir, own=("grpc.sock",)):
+        assert "grpc.sock" not in os.listdir(run_dir)
+    rundir.remove(run_dir, own=("grpc.sock",))
+    assert not os.path.exists(run_dir) and os.path.isdir(tmp_path)
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_replaced_not_written(tmp_path, run_dir, caplog):
+    victim = tmp_path / "victim"
+    victim.write_text("do not touch")
+    os.chmod(victim, 0o600)
+    os.makedirs(run_dir, mode=0o700)
+    os.link(victim, os.path.join(run_dir, rundir.LOCK_NAME))
+    with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
+        assert victim.read_text() == "do not touch"
+    assert "has 2 hard links" in caplog.text
 
 
 def test_a_socket_others_may_write_to_does_not_make_the_folder_untrusted(run_dir, caplog):
@@ -238,7 +262,7 @@ def test_a_private_folder_holding_anything_untrusted_is_emptied_and_the_log_name
     why = plant(run_dir, str(elsewhere))
     with caplog.at_level(logging.WARNING, logger="mesh.rundir"), rundir.prepare(run_dir):
         assert listing(run_dir) == {rundir.LOCK_NAME}
-    assert f"not trusted: {os.path.join(run_dir, why)}; emptying it" in caplog.text
+    assert f"not trusted: {os.path.join(run_dir, why)}; removing the runtime's entries" in caplog.text
     assert listing(str(elsewhere)) == {"precious"}
 
 
@@ -294,13 +318,14 @@ def test_purge_kills_a_recorded_mesh_runtime_process_of_this_runtime_dir(run_dir
         registry = ProcessRegistry(run_dir)
         with open(os.path.join(run_dir, "stacks", str(child.pid)), "w") as dump:
             dump.write("its stacks, dumped on SIGUSR1")
-        os.mkdir(os.path.join(run_dir, "stacks", "not-a-dump"))  # no front makes one: left
+        os.makedirs(os.path.join(run_dir, "stacks", "not-a-dump", "inside"))  # no front makes one
+        os.mkdir(os.path.join(run_dir, "pids", "not-a-record"))
         with caplog.at_level(logging.WARNING, logger="mesh.leftovers"):
             assert registry.purge() == [child.pid]
         assert child.wait(5) == -signal.SIGKILL
         assert f"killing pid {child.pid}, left behind by an earlier runtime" in caplog.text
         assert os.listdir(os.path.join(run_dir, "pids")) == []
-        assert os.listdir(os.path.join(run_dir, "stacks")) == ["not-a-dump"]
+        assert os.listdir(os.path.join(run_dir, "stacks")) == []  # its folders are the runtime's
     finally:
         end(child)
 
@@ -386,7 +411,7 @@ def test_a_front_empties_a_loose_runtime_dir_kills_nothing_planted_and_makes_it_
         rt.start()
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
         assert planted.poll() is None
-        assert "the folder was writable by others (mode 0777); emptying it" in rt.log()
+        assert "the folder was writable by others (mode 0777); removing the runtime's entries" in rt.log()
         assert "killing pid" not in rt.log()
         assert "101" not in os.listdir(os.path.join(run_dir, "pids"))
         assert listing(str(elsewhere)) == {"precious"}
@@ -568,3 +593,24 @@ def test_a_sigterm_while_the_front_imports_stops_it_once_started_with_exit_0():
         assert not os.path.exists(rt.env["RUNTIME_DIR"])
     finally:
         rt.stop()
+
+
+def test_a_front_listening_inside_a_loose_runtime_dir_removes_what_was_planted_where_it_listens(tmp_path):
+    elsewhere = tmp_path / "elsewhere.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as planted:
+        planted.bind(str(elsewhere))
+        planted.listen()  # something answers there: taken for a front, the start would fail
+        rt = Runtime()
+        run_dir = rt.env["RUNTIME_DIR"]
+        path = os.path.join(run_dir, "grpc.sock")
+        os.makedirs(run_dir, mode=0o700)
+        os.symlink(elsewhere, path)
+        os.chmod(run_dir, 0o777)
+        try:
+            rt.env["RUNTIME_SOCKET_PATH"] = path
+            rt.start()
+            assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the front's own now
+            rt.terminate()
+            assert rt.process.returncode == 0 and not os.path.exists(run_dir)
+        finally:
+            rt.stop()
