@@ -520,3 +520,16 @@ def test_xgboost_predicts_float_rows_through_the_c_library_as_inplace_predict_do
     one_row = model.predict({"x": rows[:1].astype(np.float32)}, {}, [])["predict"]
     answer = model.predict({"x": no_rows}, {}, [])["predict"]
     assert answer.shape == (0, *one_row.shape[1:]) and answer.dtype == one_row.dtype
+
+
+def test_lightgbm_answers_no_rows_with_the_columns_of_its_rows(tmp_path):
+    example = EXAMPLES["lightgbm"]
+    if example.missing() or importlib.util.find_spec("sklearn") is None:
+        pytest.skip("needs lightgbm and scikit-learn: pip install 'mesh-runtime[lightgbm,sklearn]'")
+    example.build(str(tmp_path), make_examples.iris())
+    model = formats.load("lightgbm", str(tmp_path))
+    one_row = model.predict({"x": np.ones((1, 4), dtype=np.float32)}, {}, [])["predict"]
+    answer = model.predict({"x": np.zeros((0, 4), dtype=np.float32)}, {}, [])["predict"]
+    assert one_row.shape == (1, 3), "a multiclass model: a probability per class"
+    assert answer.shape == (0, 3) and answer.dtype == one_row.dtype
+    assert model.metadata()["outputs"][0]["shape"] == [-1, 3]

@@ -35,6 +35,10 @@ class LightGBMModel:
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         rows = common.feature_rows(common.first_input(inputs), self.n_features)
+        if not len(rows):
+            # Booster.predict answers a multiclass model's no rows as (0,), not as (0, classes)
+            # as it answers rows and metadata() says.
+            return {PREDICT: np.empty((0, *self.sample.shape[1:]), dtype=self.sample.dtype)}
         return {PREDICT: self.booster.predict(rows)}
 
     def metadata(self) -> dict:
