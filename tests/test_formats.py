@@ -533,3 +533,25 @@ def test_lightgbm_answers_no_rows_with_the_columns_of_its_rows(tmp_path):
     assert one_row.shape == (1, 3), "a multiclass model: a probability per class"
     assert answer.shape == (0, 3) and answer.dtype == one_row.dtype
     assert model.metadata()["outputs"][0]["shape"] == [-1, 3]
+
+
+def test_sklearn_answers_no_rows_as_the_other_formats_do(tmp_path):
+    from workers.formats import sklearn as adapter
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("pip install 'mesh-runtime[sklearn]'")
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+
+    EXAMPLES["sklearn"].build(str(tmp_path), make_examples.iris())
+    model = formats.load("sklearn", str(tmp_path))
+    both = [adapter.PREDICT, adapter.PREDICT_PROBA]
+    one_row = model.predict({"x": np.ones((1, 4), dtype=np.float32)}, {}, both)
+    answer = model.predict({"x": np.zeros((0, 4), dtype=np.float32)}, {}, both)
+    for name, array in answer.items():
+        assert array.shape == (0, *one_row[name].shape[1:]) and array.dtype == one_row[name].dtype
+
+    texts = ["great product", "terrible service", "great service", "terrible product"]
+    pipeline = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, [1, 0, 1, 0])
+    model = adapter.SklearnModel(pipeline)
+    assert model.predict({"text": np.empty(0, dtype=object)}, {}, [])["predict"].shape == (0,)

@@ -14,6 +14,7 @@ import warnings
 
 import numpy as np
 
+from workers import v2
 from workers.formats import common
 
 PREDICT = "predict"
@@ -112,9 +113,9 @@ class SklearnModel:
         features = self._features(common.first_input(inputs))
         outputs = {}
         if not requested_outputs or PREDICT in requested_outputs:
-            outputs[PREDICT] = self.estimator.predict(features)
+            outputs[PREDICT] = _answer(self.estimator.predict, features)
         if PREDICT_PROBA in requested_outputs and self.has_proba:
-            outputs[PREDICT_PROBA] = self.estimator.predict_proba(features)
+            outputs[PREDICT_PROBA] = _answer(self.estimator.predict_proba, features)
         # A requested output we do not produce is reported by responses.encode_response.
         return outputs
 
@@ -141,3 +142,15 @@ class SklearnModel:
 
     def close(self) -> None:
         pass
+
+
+def _answer(method, features: np.ndarray) -> np.ndarray:
+    """method(features). scikit-learn refuses no rows, which the other formats answer with no rows:
+    those are one made-up row's answer cut to none, of the dtype and columns real rows get."""
+    if features.ndim == 0 or len(features):
+        return method(features)
+    fill = "" if features.dtype == object else 0  # a text pipeline reads an empty text
+    try:
+        return method(np.full((1, *features.shape[1:]), fill, dtype=features.dtype))[:0]
+    except Exception:
+        raise v2.InvalidInput("the input has no rows, and this model answers none") from None
