@@ -267,6 +267,7 @@ def test_sklearn_predict_proba_only_when_asked(rt, loaded):
         outputs=["decision_function"],
     )
     assert "decision_function" in error.details()
+    assert "(outputs: predict, predict_proba)" in error.details(), "the outputs it has, not those it ran"
 
 
 def test_sklearn_metadata(rt, loaded):
@@ -309,6 +310,8 @@ def test_onnx_uses_the_graph_names_and_types(rt, loaded):
     only_label = outputs_of(infer(rt, model_id, make_examples.SAMPLE, outputs=["label"]))
     assert list(only_label) == ["label"] and list(only_label["label"]) == [0, 2]
     invalid = grpc.StatusCode.INVALID_ARGUMENT
+    unknown = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE, outputs=["label", "nope"])
+    assert "'nope'" in unknown.details() and "(outputs: label, probabilities)" in unknown.details()
     wrong_name = expect_status(invalid, infer, rt, model_id, make_examples.SAMPLE, name="x")
     assert "'features'" in wrong_name.details()
     wrong_type = expect_status(

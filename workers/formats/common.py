@@ -83,6 +83,16 @@ def datatype_of(dtype: np.dtype) -> str:
     return ""  # no V2 equivalent (complex numbers, dates): unknown to the client
 
 
+def check_requested(requested: list[str], outputs: list[str]) -> None:
+    """Refuses a requested output not in `outputs`, naming them: a format that computes only the
+    requested ones cannot leave that to responses.encode_response, which knows only those."""
+    for name in requested:
+        if name not in outputs:
+            raise v2.InvalidInput(
+                f"requested output {name!r} is not produced by the model (outputs: {', '.join(outputs)})"
+            )
+
+
 def tensor(name: str, datatype: str, shape: Any) -> dict:
     """One entry of metadata()'s inputs or outputs; -1 marks a dimension that varies."""
     return {"name": name, "datatype": datatype, "shape": [int(d) for d in shape]}

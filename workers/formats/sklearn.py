@@ -92,6 +92,7 @@ class SklearnModel:
         self.n_features = getattr(estimator, "n_features_in_", None)
         # hasattr, not callable(getattr()): SVC(probability=False) raises AttributeError here.
         self.has_proba = hasattr(estimator, PREDICT_PROBA)
+        self.outputs = [PREDICT, PREDICT_PROBA] if self.has_proba else [PREDICT]
 
     def rehearse(self) -> None:
         """Predicts a row of zeros once, so that the first call does not pay for first touches.
@@ -110,13 +111,13 @@ class SklearnModel:
             pass  # a model that refuses zeros is served all the same; its first call pays
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
+        common.check_requested(requested_outputs, self.outputs)
         features = self._features(common.first_input(inputs))
         outputs = {}
         if not requested_outputs or PREDICT in requested_outputs:
             outputs[PREDICT] = _answer(self.estimator.predict, features)
         if PREDICT_PROBA in requested_outputs and self.has_proba:
             outputs[PREDICT_PROBA] = _answer(self.estimator.predict_proba, features)
-        # A requested output we do not produce is reported by responses.encode_response.
         return outputs
 
     def _features(self, array: np.ndarray) -> np.ndarray:
