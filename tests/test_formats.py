@@ -31,6 +31,7 @@ from runtime import heaptrim, modelspec, status
 from runtime import memory as meter
 from runtime.settings import Settings
 from workers import formats
+from workers import v2 as v2_worker
 from workers.formats import common
 
 # The shared runtime preloads the frameworks, as in production: these tests measure them.
@@ -540,6 +541,7 @@ def test_lightgbm_answers_no_rows_with_the_columns_of_its_rows(tmp_path):
 
 def test_sklearn_answers_no_rows_as_the_other_formats_do(tmp_path):
     from workers.formats import sklearn as adapter
+
     if importlib.util.find_spec("sklearn") is None:
         pytest.skip("pip install 'mesh-runtime[sklearn]'")
     from sklearn.feature_extraction.text import TfidfVectorizer
@@ -558,3 +560,39 @@ def test_sklearn_answers_no_rows_as_the_other_formats_do(tmp_path):
     pipeline = make_pipeline(TfidfVectorizer(), LogisticRegression()).fit(texts, [1, 0, 1, 0])
     model = adapter.SklearnModel(pipeline)
     assert model.predict({"text": np.empty(0, dtype=object)}, {}, [])["predict"].shape == (0,)
+
+
+def test_onnx_leaves_outputs_v2_cannot_carry_to_calls_that_name_them(tmp_path):
+    """skl2onnx's classifiers answer probabilities as a ZipMap, a sequence of maps: by default
+    a call gets the tensors beside it; one that names the map gets INVALID_ARGUMENT saying why."""
+    if EXAMPLES["onnx"].missing():
+        pytest.skip("pip install 'mesh-runtime[onnx]' onnx")
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = numpy_helper.from_array(np.eye(2, 3, dtype=np.float32), "W")
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["scores"]),
+        helper.make_node("ArgMax", ["scores"], ["label"], axis=1, keepdims=0),
+        helper.make_node(
+            "ZipMap", ["scores"], ["probability"], domain="ai.onnx.ml", classlabels_int64s=[0, 1, 2]
+        ),
+    ]
+    float_map = helper.make_map_type_proto(
+        TensorProto.INT64, helper.make_tensor_type_proto(TensorProto.FLOAT, [])
+    )
+    outputs = [
+        helper.make_tensor_value_info("label", TensorProto.INT64, [None]),
+        helper.make_value_info("probability", helper.make_sequence_type_proto(float_map)),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 2])]
+    graph = helper.make_graph(nodes, "zipmap", inputs, outputs, initializer=[weights])
+    opsets = [helper.make_opsetid("", 13), helper.make_opsetid("ai.onnx.ml", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets, ir_version=8), str(tmp_path / "model.onnx"))
+    model = formats.load("onnx", str(tmp_path))
+    rows = np.array([[0, 1], [1, 0]], dtype=np.float32)
+    assert {name: list(a) for name, a in model.predict({"x": rows}, {}, []).items()} == {"label": [1, 0]}
+    with pytest.raises(
+        v2_worker.InvalidInput, match="'probability' is seq.map.int64,tensor.float.... which V2"
+    ):
+        model.predict({"x": rows}, {}, ["label", "probability"])

@@ -160,7 +160,12 @@ class OnnxModel:
     def __init__(self, session):
         self.session = session
         self.inputs = session.get_inputs()
-        self.output_names = [o.name for o in session.get_outputs()]
+        outputs = session.get_outputs()
+        self.output_names = [o.name for o in outputs]
+        # Outputs V2 cannot carry (skl2onnx's ZipMap: a sequence of maps) are left out of the
+        # default, so that a call that names no output gets the others instead of an error.
+        self.carried = [o.name for o in outputs if _types(o.type)[0]] or self.output_names
+        self.types = {o.name: o.type for o in outputs}
 
     def rehearse(self) -> None:
         """Runs the graph once on zeros, so that the first call does not pay for the first run.
@@ -182,8 +187,11 @@ class OnnxModel:
 
     def predict(self, inputs: dict, parameters: dict, requested_outputs: list[str]) -> dict:
         common.check_requested(requested_outputs, self.output_names)
+        for name in requested_outputs:
+            if name not in self.carried:
+                raise v2.InvalidInput(f"output {name!r} is {self.types[name]}, which V2 cannot carry")
         feed = {graph_input.name: _fed(graph_input, inputs) for graph_input in self.inputs}
-        wanted = list(dict.fromkeys(requested_outputs)) or self.output_names  # run only what was asked for
+        wanted = list(dict.fromkeys(requested_outputs)) or self.carried  # run only what was asked for
         return dict(zip(wanted, self.session.run(wanted, feed), strict=True))
 
     def metadata(self) -> dict:
