@@ -3,7 +3,8 @@
 The worker calls `Model(path)` (path = the modelPath it was given; the
 constructor loads), then `predict(inputs)` or `predict(inputs, parameters)`
 with `inputs: dict[str, numpy.ndarray]`, expecting `dict[str, numpy.ndarray]`
-back. Optional methods: `metadata()`, `handle(method, request_bytes)`, `close()`.
+back; inputs sent raw are read-only views of the request (not copied).
+Optional methods: `metadata()`, `handle(method, request_bytes)`, `close()`.
 
 A pack often holds many copies of one model.py (a model per tenant, say),
 and compiling the source was much of what loading a tiny model cost. So a
