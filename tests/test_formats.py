@@ -596,3 +596,13 @@ def test_onnx_leaves_outputs_v2_cannot_carry_to_calls_that_name_them(tmp_path):
         v2_worker.InvalidInput, match="'probability' is seq.map.int64,tensor.float.... which V2"
     ):
         model.predict({"x": rows}, {}, ["label", "probability"])
+
+
+def test_pytorch_bfloat16_outputs_are_widened_to_fp32():
+    """numpy has no bfloat16, so .numpy() raised and every call of such a module was INTERNAL."""
+    torch = pytest.importorskip("torch", reason="pip install 'mesh-runtime[pytorch]'")
+    from workers.formats import pytorch as adapter
+
+    outputs = adapter._named((torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.ones(1)))
+    assert outputs["output__0"].dtype == np.float32 and list(outputs["output__0"]) == [1.5, -2.0]
+    assert outputs["output__1"].dtype == np.float32

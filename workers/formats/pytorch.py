@@ -123,5 +123,8 @@ def _named(result) -> dict:
 
 def _array(value) -> np.ndarray:
     if hasattr(value, "detach"):
-        return value.detach().cpu().numpy()
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":  # numpy has none: widened, as BF16 inputs are
+            value = value.float()
+        return value.numpy()
     return np.asarray(value)
