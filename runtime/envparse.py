@@ -8,6 +8,7 @@ front of the reason.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,9 +26,13 @@ def whole_number(text: str) -> int:
 
 def number(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise ValueError(f"expected a number, got {text!r}") from None
+    # float() also reads "nan", "inf" and "1e400": no size can be computed from those.
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def boolean(text: str) -> bool:
