@@ -39,6 +39,8 @@ def _front_bytes_default(so_far: dict[str, Any]) -> int:
 
 # runtimeStatus carries some settings in uint32 fields: a value past this could not be sent.
 UINT32_MAX = 2**32 - 1
+# grpc takes its message limits as a C int: a larger one stops the server being built.
+GRPC_INT_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +329,7 @@ VARIABLES: tuple[Variable, ...] = (
         "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects. grpc "
         "copies each request on the front's event loop, so a higher limit lets one huge request "
         "hold every other call for as long as that copy takes",
-        parse.at_least(4194304),
+        parse.between(4194304, GRPC_INT_MAX),
     ),
     Variable(
         "MODEL_BYTES_MAX",

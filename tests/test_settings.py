@@ -63,7 +63,8 @@ def test_values_are_typed():
         ("MODELSIZE_MULTIPLIER", "1e400", "finite number"),
         ("ROOT_MODEL_DIR", "models", "absolute path"),
         ("LOG_LEVEL", "loud", "one of"),
-        ("GRPC_MAX_MESSAGE_BYTES", "1024", "at least"),
+        ("GRPC_MAX_MESSAGE_BYTES", "1024", "between 4194304 and"),
+        ("GRPC_MAX_MESSAGE_BYTES", str(2**31), "between 4194304 and 2147483647"),  # grpc's C int
         ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
         ("FRONT_BYTES_MAX", "1000", "at least 2 x GRPC_MAX_MESSAGE_BYTES"),
         ("FRONT_BYTES_MAX", "17825792", "at least 2 x GRPC_MAX_MESSAGE_BYTES (35651584)"),
