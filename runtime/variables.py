@@ -39,6 +39,8 @@ def _front_bytes_default(so_far: dict[str, Any]) -> int:
 
 # runtimeStatus carries some settings in uint32 fields: a value past this could not be sent.
 UINT32_MAX = 2**32 - 1
+# model-mesh reads runtimeStatus's uint64 sizes into a Java long: a value past this reads negative.
+INT64_MAX = 2**63 - 1
 # grpc takes its message limits as a C int: a larger one stops the server being built.
 GRPC_INT_MAX = 2**31 - 1
 
@@ -107,7 +109,7 @@ VARIABLES: tuple[Variable, ...] = (
         parse.whole_number,
         None,
         "memory the runtime may use; unset: the cgroup limit, else the machine's RAM",
-        parse.positive,
+        parse.between(1, INT64_MAX),
         default_text="cgroup limit, else RAM",
     ),
     Variable(

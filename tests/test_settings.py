@@ -62,6 +62,8 @@ def test_values_are_typed():
         ("MODELSIZE_MULTIPLIER", "inf", "finite number"),
         ("MODELSIZE_MULTIPLIER", "1e400", "finite number"),
         ("ROOT_MODEL_DIR", "models", "absolute path"),
+        ("CONTAINER_MEM_REQ_BYTES", "0", "between 1 and"),
+        ("CONTAINER_MEM_REQ_BYTES", str(2**63), "between 1 and 9223372036854775807"),  # a Java long
         ("LOG_LEVEL", "loud", "one of"),
         ("GRPC_MAX_MESSAGE_BYTES", "1024", "between 4194304 and"),
         ("GRPC_MAX_MESSAGE_BYTES", str(2**31), "between 4194304 and 2147483647"),  # grpc's C int
