@@ -39,6 +39,15 @@ def _check_together(values: dict[str, Any]) -> None:
             raise SettingsError(
                 f"{name}: must be at least {least} ({messages * largest}), got {values[name.lower()]}"
             )
+    # The metrics server binds first: the gRPC port would then fail as if another process held it.
+    if values["metrics_port"] == values["runtime_port"]:
+        raise SettingsError(f"METRICS_PORT: must differ from RUNTIME_PORT ({values['runtime_port']})")
+    # Each replica takes a worker (or a place in another pack): fewer workers would load no model.
+    if 0 < values["workers_max"] < values["model_replicas"]:
+        raise SettingsError(
+            f"MODEL_REPLICAS: must be at most WORKERS_MAX ({values['workers_max']}), "
+            f"got {values['model_replicas']}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

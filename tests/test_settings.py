@@ -79,6 +79,31 @@ def test_bad_value_names_the_variable(name, value, words):
     assert message.startswith(f"{name}: ") and words in message and "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "environ, words",
+    [
+        (
+            {"RUNTIME_PORT": "9000", "METRICS_PORT": "9000"},
+            "METRICS_PORT: must differ from RUNTIME_PORT (9000)",
+        ),
+        ({"METRICS_PORT": "8085"}, "METRICS_PORT: must differ from RUNTIME_PORT (8085)"),
+        (
+            {"WORKERS_MAX": "2", "MODEL_REPLICAS": "3"},
+            "MODEL_REPLICAS: must be at most WORKERS_MAX (2), got 3",
+        ),
+    ],
+)
+def test_settings_that_contradict_each_other_are_refused(environ, words):
+    with pytest.raises(config.SettingsError) as error:
+        config.Settings.from_env(environ)
+    assert str(error.value) == words
+
+
+def test_settings_that_agree_are_taken():
+    config.Settings.from_env({"WORKERS_MAX": "3", "MODEL_REPLICAS": "3", "METRICS_PORT": "0"})
+    config.Settings.from_env({"WORKERS_MAX": "0", "MODEL_REPLICAS": "3"})  # 0: no cap
+
+
 def test_bad_value_stops_the_runtime_with_one_line():
     env = {**os.environ, "MAX_LOADING_CONCURRENCY": "none"}
     done = subprocess.run(
