@@ -101,8 +101,10 @@ class Metrics:
         self.restarts.labels(model_id, cause).inc()
         self._restarted[model_id].add(cause)
 
-    def forget_model(self, model_id: str) -> None:
-        self.unloads.inc()
+    def forget_model(self, model_id: str, unloaded: bool = True) -> None:
+        """Drops the model's series; `unloaded`: it had loaded (a failed load is no unload)."""
+        if unloaded:
+            self.unloads.inc()
         for cause in self._restarted.pop(model_id, ()):
             self.restarts.remove(model_id, cause)
         for key in [key for key in self._calls if key[0] == model_id]:

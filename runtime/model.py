@@ -52,6 +52,7 @@ class Model:
         self.heal_task: asyncio.Task | None = None
         self.crashes: collections.deque[float] = collections.deque()
         self.unload_requested = False  # by unloadModel or a purge, as opposed to a crash
+        self.was_ready = False  # its load succeeded: its end is an unload (a failed load's is not)
         self.gone = asyncio.get_running_loop().create_future()  # resolves once nothing is left
 
     def change_state(self, new: ModelState) -> None:
@@ -60,6 +61,7 @@ class Model:
                 f"model {self.model_id!r}: {self.state.value} -> {new.value} is not a move a model makes"
             )
         self.state = new
+        self.was_ready = self.was_ready or new is ModelState.READY
 
     @property
     def ready(self) -> bool:

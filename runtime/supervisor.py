@@ -356,7 +356,7 @@ class Supervisor:
     def _forget(self, model: Model) -> None:
         if self._models.get(model.model_id) is model:
             del self._models[model.model_id]
-            self.metrics.forget_model(model.model_id)
+            self.metrics.forget_model(model.model_id, unloaded=model.was_ready)
         if not model.gone.done():
             model.gone.set_result(None)
         self.pool.heap.note()  # a packed model's unload reaps no worker, whose exit would note it

@@ -186,6 +186,23 @@ def test_metrics_after_traffic(ops):
     assert metric_sample(text, "mesh_unloads_total") >= 1
 
 
+def sample_or_zero(text, name, **labels):
+    try:
+        return metric_sample(text, name, **labels)
+    except AssertionError:  # no such series yet
+        return 0.0
+
+
+def test_a_failed_load_is_counted_as_failed_and_not_as_an_unload(ops):
+    before = scrape_metrics(ops)
+    folder = ops.model_dir("raises-at-load", "class Model:\n    def __init__(self, path):\n        1 / 0\n")
+    expect_status(grpc.StatusCode.FAILED_PRECONDITION, ops.load, "raises-at-load", folder)
+    after = scrape_metrics(ops)
+    failed = [sample_or_zero(text, "mesh_loads_total", outcome="failed") for text in (before, after)]
+    assert failed[1] == failed[0] + 1
+    assert sample_or_zero(after, "mesh_unloads_total") == sample_or_zero(before, "mesh_unloads_total")
+
+
 def test_json_logs_one_object_per_line_with_model_id():
     with Runtime(LOG_FORMAT="json") as runtime:
         runtime.load("logged", runtime.model_dir("logged"))
