@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from protos import model_runtime_pb2 as pb
 from protos import model_runtime_pb2_grpc as pb_grpc
@@ -45,8 +46,14 @@ class ModelRuntimeServicer(pb_grpc.ModelRuntimeServicer):
 
     @status.translated
     async def loadModel(self, request, context):
-        # The path checks walk the model's files: off the event loop.
-        spec = await asyncio.to_thread(self._resolve, request)
+        started = time.monotonic()
+        try:
+            # The path checks walk the model's files: off the event loop.
+            spec = await asyncio.to_thread(self._resolve, request)
+        except status.RpcError:
+            # Refused before any worker is touched (a bad path, format or key): a failed load all the same.
+            self.supervisor.metrics.observe_load("failed", time.monotonic() - started)
+            raise
         size = await self.supervisor.load(spec)
         if self.settings.limit_model_concurrency:
             concurrency = self.settings.model_replicas * self.settings.worker_threads

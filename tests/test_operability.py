@@ -193,13 +193,17 @@ def sample_or_zero(text, name, **labels):
         return 0.0
 
 
-def test_a_failed_load_is_counted_as_failed_and_not_as_an_unload(ops):
+def test_failed_and_refused_loads_count_as_failed_and_not_as_unloads(ops):
     before = scrape_metrics(ops)
     folder = ops.model_dir("raises-at-load", "class Model:\n    def __init__(self, path):\n        1 / 0\n")
     expect_status(grpc.StatusCode.FAILED_PRECONDITION, ops.load, "raises-at-load", folder)
+    # Refused before any worker is touched: a path that is not there, a format nobody knows.
+    missing = os.path.join(ops.models, "not-pulled")
+    expect_status(grpc.StatusCode.FAILED_PRECONDITION, ops.load, "not-pulled", missing)
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, ops.load, "no-format", folder, fmt="nope")
     after = scrape_metrics(ops)
     failed = [sample_or_zero(text, "mesh_loads_total", outcome="failed") for text in (before, after)]
-    assert failed[1] == failed[0] + 1
+    assert failed[1] == failed[0] + 3
     assert sample_or_zero(after, "mesh_unloads_total") == sample_or_zero(before, "mesh_unloads_total")
 
 
