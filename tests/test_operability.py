@@ -127,6 +127,23 @@ def test_inspect_workers_unreachable_exit_2_with_degraded_mode(ops):
     ops.unload("degraded-model")
 
 
+def test_inspect_workers_watch_interrupted_before_its_first_answer_exits_2(monkeypatch, tmp_path):
+    from runtime.admin import cli
+
+    def interrupted(runtime_dir, as_json):  # Ctrl-C while a silent front keeps the first look waiting
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_inspect_once", interrupted)
+    assert cli.inspect_workers(["--watch", "1", "--runtime-dir", str(tmp_path)]) == cli.UNREACHABLE
+
+
+@pytest.mark.parametrize("period", ["-1", "nan", "inf"])
+def test_inspect_workers_refuses_a_watch_period_it_cannot_sleep(period, tmp_path):
+    done = script("inspect-workers", "--runtime-dir", str(tmp_path), f"--watch={period}")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"--watch: expected a number of seconds, 0 or more, got '{period}'" in done.stderr
+
+
 def test_worker_stacks_show_predict_while_busy(ops):
     path = ops.model_dir("busy-model", HELD)
     ops.load("busy-model", path)

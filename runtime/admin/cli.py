@@ -190,13 +190,24 @@ def _inspect_once(runtime_dir: str, as_json: bool) -> int:
     return code
 
 
+def _seconds(text: str) -> float:
+    """--watch's period: time.sleep() refuses a negative or NaN one only after the first screen."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, 0 or more, got {text!r}")
+    return value
+
+
 def inspect_workers(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inspect-workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     parser.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=_seconds,
         const=2.0,
         metavar="SECONDS",
         help="refresh like top (default every 2 s)",
@@ -206,6 +217,7 @@ def inspect_workers(argv: list[str] | None = None) -> int:
     runtime_dir = _runtime_dir(options.runtime_dir)
     if options.watch is None:
         return _inspect_once(runtime_dir, options.json)
+    code = UNREACHABLE  # interrupted before the first look answered (a front that does not answer)
     try:
         while True:
             print("\x1b[H\x1b[2J", end="")
