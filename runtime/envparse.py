@@ -58,6 +58,18 @@ def module_names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def findable_modules(names: tuple[str, ...]) -> None:
+    """Each module a fork server is to preload can be found: a fork server only prints the import
+    error of one that cannot. Only a top-level name is looked up, which imports nothing: finding
+    a submodule would import its package into the front."""
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise ValueError(f"not a module name: {bad[0]!r}")
+    missing = [n for n in names if importlib.util.find_spec(n.partition(".")[0]) is None]
+    if missing:
+        raise ValueError(f"no module named {', '.join(map(repr, missing))} is installed")
+
+
 def one_of(*allowed: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().lower()

@@ -322,6 +322,7 @@ VARIABLES: tuple[Variable, ...] = (
         "modules the fork servers import once, before forking workers: each framework in it gets a "
         "fork server of its own, the rest go to all; keep the frameworks you serve in it (a worker "
         "importing one itself pays 25-140 MiB and 1-2 s per load)",
+        parse.findable_modules,
         default_text="numpy and the installed frameworks",
     ),
     Variable(

@@ -65,6 +65,9 @@ def test_values_are_typed():
         ("CONTAINER_MEM_REQ_BYTES", "0", "between 1 and"),
         ("CONTAINER_MEM_REQ_BYTES", str(2**63), "between 1 and 9223372036854775807"),  # a Java long
         ("LOG_LEVEL", "loud", "one of"),
+        ("WORKER_PRELOAD", "numpy,sklern", "no module named 'sklern' is installed"),
+        ("WORKER_PRELOAD", "numpy;os", "not a module name: 'numpy;os'"),
+        ("WORKER_PRELOAD", "numpy,.relative", "not a module name: '.relative'"),
         ("GRPC_MAX_MESSAGE_BYTES", "1024", "between 4194304 and"),
         ("GRPC_MAX_MESSAGE_BYTES", str(2**31), "between 4194304 and 2147483647"),  # grpc's C int
         ("MODEL_BYTES_MAX", "4194304", "at least GRPC_MAX_MESSAGE_BYTES"),
