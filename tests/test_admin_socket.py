@@ -248,3 +248,14 @@ def test_a_command_that_raises_answers_an_error_and_serving_goes_on(tmp_path, ca
         record.levelname == "ERROR" and "admin command workers failed" in record.getMessage()
         for record in caplog.records
     )
+
+
+def test_a_target_is_a_pid_first_and_else_a_model_id_even_one_of_digits():
+    workers = [types.SimpleNamespace(pid=pid, models=models) for pid, models in ((41, ["7"]), (7, ["m"]))]
+    supervisor = types.SimpleNamespace(pool=types.SimpleNamespace(workers=lambda: workers))
+    assert admin.find_workers(supervisor, "7") == [workers[1]]  # the pid wins
+    assert admin.find_workers(supervisor, "41") == [workers[0]]
+    workers[1].pid = 8
+    assert admin.find_workers(supervisor, "7") == [workers[0]]  # no such pid: the model "7"
+    with pytest.raises(admin.AdminError):
+        admin.find_workers(supervisor, "9")

@@ -69,11 +69,9 @@ def socket_path(runtime_dir: str) -> str:
 def find_workers(supervisor, target: str) -> list:
     """The workers a PID or a model id names."""
     workers = supervisor.pool.workers()
-    if target.isdigit():
-        # Compared as text: int() refuses some digits ("²") and very long numbers.
-        found = [w for w in workers if str(w.pid) == target]
-    else:
-        found = [w for w in workers if target in w.models]
+    # Compared as text: int() refuses some digits ("²") and very long numbers. A model id may be
+    # all digits too: it is looked up as one when no worker has that pid.
+    found = [w for w in workers if str(w.pid) == target] or [w for w in workers if target in w.models]
     if not found:
         raise AdminError(f"no worker with pid or model {target!r}")
     return found
