@@ -108,8 +108,9 @@ VARIABLES: tuple[Variable, ...] = (
         "CONTAINER_MEM_REQ_BYTES",
         parse.whole_number,
         None,
-        "memory the runtime may use; unset: the cgroup limit, else the machine's RAM",
-        parse.between(1, INT64_MAX),
+        "memory the runtime may use; unset or 0 (no memory request): the cgroup limit, else the "
+        "machine's RAM",
+        parse.between(0, INT64_MAX),
         default_text="cgroup limit, else RAM",
     ),
     Variable(
@@ -329,7 +330,8 @@ VARIABLES: tuple[Variable, ...] = (
         "GRPC_MAX_MESSAGE_BYTES",
         parse.whole_number,
         17825792,
-        "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects. grpc "
+        "gRPC send and receive limit: model-mesh's own 16 MiB plus 1 MiB for the id it injects (raise "
+        "it with model-mesh's MM_SVC_GRPC_MAX_MSG_SIZE, grpcMaxMessageSizeBytes in ModelMesh Serving). grpc "
         "copies each request on the front's event loop, so a higher limit lets one huge request "
         "hold every other call for as long as that copy takes",
         parse.between(4194304, GRPC_INT_MAX),

@@ -8,6 +8,7 @@ import sys
 import pytest
 from harness import REPO
 
+from runtime import memory
 from runtime import settings as config
 
 
@@ -62,8 +63,7 @@ def test_values_are_typed():
         ("MODELSIZE_MULTIPLIER", "inf", "finite number"),
         ("MODELSIZE_MULTIPLIER", "1e400", "finite number"),
         ("ROOT_MODEL_DIR", "models", "absolute path"),
-        ("CONTAINER_MEM_REQ_BYTES", "0", "between 1 and"),
-        ("CONTAINER_MEM_REQ_BYTES", str(2**63), "between 1 and 9223372036854775807"),  # a Java long
+        ("CONTAINER_MEM_REQ_BYTES", str(2**63), "between 0 and 9223372036854775807"),  # a Java long
         ("LOG_LEVEL", "loud", "one of"),
         ("WORKER_PRELOAD", "numpy,sklern", "no module named 'sklern' is installed"),
         ("WORKER_PRELOAD", "numpy;os", "not a module name: 'numpy;os'"),
@@ -100,6 +100,11 @@ def test_settings_that_contradict_each_other_are_refused(environ, words):
     with pytest.raises(config.SettingsError) as error:
         config.Settings.from_env(environ)
     assert str(error.value) == words
+
+
+def test_no_memory_request_falls_back_to_the_cgroup_limit_or_ram():
+    settings = config.Settings.from_env({"CONTAINER_MEM_REQ_BYTES": "0"})
+    assert memory.container_memory(settings.container_mem_req_bytes) == memory.container_memory(None)
 
 
 def test_settings_that_agree_are_taken():
