@@ -1,23 +1,21 @@
 """Worker processes: the fork server, warm spares, spawning, killing and reaping.
 
-The pool is the only owner of the worker socket (runtime/channel.py) and the only place that changes
-a worker's state or kills one (`kill()`, with a KillCause that also names the metric label). What
-the rest of the front needs from workers it asks here: `take()` a spare, `send_load()`,
-`submit_call()`, `kill()`.
+The pool is the only owner of the worker socket (runtime/channel.py) and the only place that changes a
+worker's state or kills one (`kill()`, with a KillCause that also names the metric label). What the rest of
+the front needs from workers it asks here: `take()` a spare, `send_load()`, `submit_call()`, `kill()`.
 
-Every worker is forked by one of multiprocessing's fork servers, one per framework family and a base
-one (runtime/forkserver.py), which imported numpy, those frameworks and the worker code once
-(workers/preload.py), so a new worker starts in milliseconds with a few MiB of its own memory. For
-each fork server the pool keeps WORKERS_WARM idle spares connected (runtime/spares.py); `take()`
-hands out one of the model's fork server and a background refill forks the next. The pool owns
-the beat file (runtime/beats.py): a worker has a slot from spawn until reaped.
+Every worker is forked by one of multiprocessing's fork servers, one per framework family and a base one
+(runtime/forkserver.py), which imported numpy, those frameworks and the worker code once (workers/preload.py),
+so a new worker starts in milliseconds with a few MiB of its own memory. Each fork server keeps WORKERS_WARM
+idle spares connected (runtime/spares.py): `take()` hands out one of the model's fork server, a background
+refill forks the next. The pool owns the beat file (runtime/beats.py): a slot per worker, till reaped.
 
-A worker's death is seen at once: the event loop watches its process sentinel (a pipe the fork
-server writes the exit code to once it has reaped the child), never a polling loop. `Worker.exited`
-resolves only then, so "await the kill" means "the memory is back in the OS".
+A worker's death is seen at once, never by polling: the event loop watches its process sentinel (a pipe the
+fork server writes the exit code to once it has reaped the child). `Worker.exited` resolves only then, so
+"await the kill" means "the memory is back in the OS".
 
-multiprocessing.Process objects are only touched from one thread, the spawner: starting a process
-talks to the fork server over a socket and blocks, which the event loop must not do.
+multiprocessing.Process objects are only touched from one thread, the spawner: starting a process talks to the
+fork server over a socket and blocks, which the event loop must not do.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import time
 
 import workers.main
 from plumbing import stacks
-from runtime import filelimit, forkserver, heartbeat, status
+from runtime import filelimit, forkserver, heartbeat, status, tasklimit
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
 from runtime.heaptrim import QuietTrimmer
@@ -135,11 +133,10 @@ class WorkerPool:
         group = forkserver.group_for(format_name, self.settings.worker_preload)
         while (worker := self._spares.pop(group)) is None:
             if self.at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
-                raise status.out_of_workers(self.settings.workers_max, not self._room_for_a_worker())
+                raise status.out_of_workers(self.settings.workers_max, self._os_limit_reached())
             self._schedule_refill()  # at the cap, it makes room (_refill)
             await self._spares.wait(group)
-        # No refill yet: on two cores a fork now would slow the load this
-        # worker is for. The caller calls replenish() when done.
+        # No refill yet: on two cores a fork now would slow the load this worker is for (see replenish()).
         return worker
 
     def replenish(self) -> None:
@@ -253,10 +250,13 @@ class WorkerPool:
     def at_cap(self) -> bool:
         """No other worker may start: WORKERS_MAX of them run, or the open-file limit holds no more."""
         cap = self.settings.workers_max
-        return (cap > 0 and len(self._workers) >= cap) or not self._room_for_a_worker()
+        return (cap > 0 and len(self._workers) >= cap) or self._os_limit_reached() is not None
 
-    def _room_for_a_worker(self) -> bool:
-        return filelimit.room_for_a_worker(len(self._workers))
+    def _os_limit_reached(self) -> str | None:
+        """The OS limit that holds no other worker ("open-file", "task"), or None."""
+        if not filelimit.room_for_a_worker(len(self._workers)):
+            return "open-file"
+        return None if tasklimit.room_for_a_worker() else "task"
 
     def _schedule_refill(self) -> None:
         if not self._closing and (self._refill_task is None or self._refill_task.done()):

@@ -71,11 +71,14 @@ def worker_died(model_id: str, during: str, exit_code: int | None, cause: str = 
     return RpcError(grpc.StatusCode.UNAVAILABLE, f"the worker serving {model_id!r} died ({what})")
 
 
-def out_of_workers(limit: int, descriptors_short: bool = False) -> RpcError:
-    if descriptors_short:
+def out_of_workers(limit: int, os_limit: str | None = None) -> RpcError:
+    """`os_limit`: the pool's os_limit_reached(), where an OS limit rather than WORKERS_MAX holds."""
+    if os_limit == "open-file":
         reason = (
             "the front's open-file limit (RLIMIT_NOFILE) holds no more workers: raise it or lower WORKERS_MAX"
         )
+    elif os_limit == "task":
+        reason = "the pids cgroup's pids.max holds no more workers: raise it or lower WORKERS_MAX"
     else:
         reason = f"all {limit} worker processes allowed by WORKERS_MAX are in use"
     return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)

@@ -1,0 +1,86 @@
+"""The pool forks no worker that would bring the pids cgroup within a reserve of its pids.max: the load
+is refused instead, and the fork server, which a failed fork kills with all its workers, lives on.
+
+Unit tests of runtime/tasklimit.py on cgroup trees written under tmp_path, then a real front
+(tests/harness.Runtime) in a pids cgroup of its own, where one can be made.
+"""
+
+import os
+import time
+
+import grpc
+import pytest
+from harness import Runtime, expect_status
+
+from meshtest import cgroup
+from runtime import tasklimit
+
+
+def write_tree(root, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def self_cgroup(tmp_path, text: str) -> str:
+    path = tmp_path / "self-cgroup"
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_tightest_limit_of_the_cgroup_and_those_above_it_counts_v2(tmp_path):
+    root = tmp_path / "cg"
+    write_tree(root, {"pod/pids.max": "100\n", "pod/pids.current": "90\n"})
+    write_tree(root, {"pod/c/pids.max": "max\n", "pod/c/pids.current": "90\n"})
+    cgroup_file = self_cgroup(tmp_path, "0::/pod/c\n")
+    assert tasklimit.tasks_left(str(root), cgroup_file) == 10
+    assert not tasklimit.room_for_a_worker(str(root), cgroup_file)
+    write_tree(root, {"pod/pids.current": "20\n"})
+    assert tasklimit.room_for_a_worker(str(root), cgroup_file)
+
+
+def test_v1_and_a_container_that_sees_only_its_own_cgroup(tmp_path):
+    root = tmp_path / "cg"
+    # The path /proc/self/cgroup names is not there: the hierarchy's top is the container's cgroup.
+    write_tree(root, {"pids/pids.max": "50\n", "pids/pids.current": "40\n"})
+    cgroup_file = self_cgroup(tmp_path, "5:memory:/kubepods/x\n4:pids:/kubepods/x\nnot a cgroup line\n")
+    assert tasklimit.tasks_left(str(root), cgroup_file) == 10
+    assert not tasklimit.room_for_a_worker(str(root), cgroup_file)
+
+
+def test_no_limit_or_nothing_readable_leaves_room(tmp_path):
+    root = tmp_path / "cg"
+    write_tree(root, {"pids/pids.max": "max\n", "pids/pids.current": "40\n"})
+    assert tasklimit.tasks_left(str(root), self_cgroup(tmp_path, "4:pids:/\n")) is None
+    assert tasklimit.room_for_a_worker(str(root), self_cgroup(tmp_path, "4:pids:/\n"))
+    assert tasklimit.room_for_a_worker(str(root), str(tmp_path / "no-such-file"))
+
+
+def test_a_load_past_pids_max_is_refused_and_the_models_loaded_keep_their_workers():
+    path, why = cgroup.make("tasks", "pids", "/sys/fs/cgroup/pids")
+    if path is None:
+        pytest.skip(f"no pids cgroup can be made here: {why}")
+    joins = cgroup.Cgroup()
+    joins.path = path
+    try:
+        with Runtime(command_prefix=joins.command_prefix()) as rt:
+            rt.settled_uss()
+            with open(os.path.join(path, "pids.current")) as current:
+                tasks = int(current.read())
+            with open(os.path.join(path, "pids.max"), "w") as limit:
+                limit.write(str(tasks + 1))  # the spare there may be taken; no other worker fits
+            folder = rt.model_dir("echo")
+            rt.load("first", folder)
+            error = expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, rt.load, "second", folder)
+            assert "pids.max" in error.details()
+            time.sleep(2)  # a fork server killed by a failed fork would have taken "first" with it
+            assert rt.infer_fp32("first", [1.0]).outputs[0].name == "x"
+            with open(os.path.join(path, "pids.max"), "w") as limit:
+                limit.write("max")
+            rt.load("second", folder)
+            assert rt.infer_fp32("second", [1.0]).outputs[0].name == "x"
+            log = rt.log()
+        assert "fork server died" not in log and "healing" not in log, log
+    finally:
+        joins.remove()
