@@ -8,14 +8,12 @@ Every worker is forked by one of multiprocessing's fork servers, one per framewo
 (runtime/forkserver.py), which imported numpy, those frameworks and the worker code once (workers/preload.py),
 so a new worker starts in milliseconds with a few MiB of its own memory. Each fork server keeps WORKERS_WARM
 idle spares connected (runtime/spares.py): `take()` hands out one of the model's fork server, a background
-refill forks the next. The pool owns the beat file (runtime/beats.py): a slot per worker, till reaped.
+refill forks the next. The pool owns the beat file (runtime/beats.py): a slot per worker, till reaped. Only
+the spawner thread touches multiprocessing.Process objects: a start talks to the fork server and blocks.
 
 A worker's death is seen at once, never by polling: the event loop watches its process sentinel (a pipe the
 fork server writes the exit code to once it has reaped the child). `Worker.exited` resolves only then, so
 "await the kill" means "the memory is back in the OS".
-
-multiprocessing.Process objects are only touched from one thread, the spawner: starting a process talks to the
-fork server over a socket and blocks, which the event loop must not do.
 """
 
 from __future__ import annotations
@@ -280,6 +278,7 @@ class WorkerPool:
             if failures:  # workers that die at start must not be forked again and again at once
                 delay = min(SPAWN_BACKOFF_CAP_SECONDS, SPAWN_RETRY_SECONDS * 2 ** (failures - 1))
                 log.error("%d workers in a row did not start; the next in %.0f s", failures, delay)
+                self._spares.note_failed_starts(group, failures)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._closed.wait(), delay)
 

@@ -11,7 +11,13 @@ import asyncio
 import collections
 
 from plumbing import lifeline
+from runtime import status
 from runtime.worker import Worker, WorkerState
+
+# Workers of a fork server that failed to start this many times in a row (the pool waits 1 s, then
+# 2 s, between them) end the wait of the callers in line for one: a load would otherwise wait for
+# LOADTIME_TIMEOUT and fail as a load that ran too long, a heal for ever.
+FAILED_STARTS_BEFORE_GIVING_UP = 3
 
 
 class Spares:
@@ -52,6 +58,15 @@ class Spares:
             self._wake_a_waiter(group)
             raise
         self._waiters.remove(entry)
+
+    def note_failed_starts(self, group: str, failures: int) -> None:
+        """`failures` workers of `group` in a row did not start: past the limit, every caller in
+        line for one gets UNAVAILABLE."""
+        if failures < FAILED_STARTS_BEFORE_GIVING_UP:
+            return
+        for wanted, waiter in self._waiters:
+            if wanted == group and not waiter.done():
+                waiter.set_exception(status.workers_do_not_start(group, failures))
 
     def alive(self) -> list[Worker]:
         return [worker for idle in self._idle.values() for worker in idle if worker.alive]

@@ -84,6 +84,13 @@ def out_of_workers(limit: int, os_limit: str | None = None) -> RpcError:
     return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
 
+def workers_do_not_start(group: str, failures: int) -> RpcError:
+    return RpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        f"{failures} workers of the {group} fork server in a row did not start; the runtime's log says why",
+    )
+
+
 def queue_full(model_id: str, limit: int) -> RpcError:
     return RpcError(
         grpc.StatusCode.RESOURCE_EXHAUSTED,

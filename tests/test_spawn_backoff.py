@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 import time
 
-from harness import REPO, Runtime
+import grpc
+from harness import REPO, Runtime, expect_status, status_of, wait_until
+
+from protos import model_runtime_pb2 as mm
+
+OK = grpc.StatusCode.OK
 
 
 def test_workers_that_die_at_start_are_forked_again_only_after_a_growing_pause_and_sigterm_still_stops_it():
@@ -26,3 +31,20 @@ def test_workers_that_die_at_start_are_forked_again_only_after_a_growing_pause_a
     assert rt.process is not None and rt.process.returncode == 0, log[-2000:]
     assert "stopped before the worker pool was ready" in log
     assert "stopped; every worker reaped" in log
+
+
+def test_a_load_waiting_for_a_worker_that_never_starts_gets_unavailable_after_three_failed_starts():
+    meshtest = os.path.join(REPO, "meshtest")
+    rt = Runtime(WORKER_PRELOAD="numpy,die_at_fork", PYTHONPATH=meshtest, LOADTIME_TIMEOUT="60000")
+    rt.start(wait_ready=False)
+    try:
+        wait_until(lambda: status_of(rt.mesh.runtimeStatus, mm.RuntimeStatusRequest(), timeout=5) == OK)
+        started = time.monotonic()
+        error = expect_status(grpc.StatusCode.UNAVAILABLE, rt.load, "m", rt.model_dir("echo"), timeout=30)
+        # Starts failed at 0, 1 and 3 s: the load ends at the third, not at LOADTIME_TIMEOUT.
+        assert time.monotonic() - started < 10
+        assert "workers of the base fork server in a row did not start" in error.details()
+        log = rt.log()
+    finally:
+        rt.stop()
+    assert "load of m failed: 3 workers of the base fork server in a row did not start" in log, log[-2000:]
