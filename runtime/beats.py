@@ -88,10 +88,12 @@ class BeatFile:
         os.close(self._fd)
 
     def _grow(self, slots: int) -> None:
-        # Extending a small file and mapping it change metadata only, wait for
-        # no disk, and happen a handful of times in a front's life: fine on the
-        # event loop.
-        os.ftruncate(self._fd, slots * protocol.BEAT_BYTES)
+        # Extending a small file and mapping it wait for no disk, and happen a
+        # handful of times in a front's life: fine on the event loop. Its blocks
+        # are reserved, not left a hole: a page of the map the file system cannot
+        # back when it is first written (a full disk) would kill the front with
+        # SIGBUS; refused here (OSError), it fails one worker's start.
+        os.posix_fallocate(self._fd, 0, slots * protocol.BEAT_BYTES)
         self._unmap()
         self._map = mmap.mmap(self._fd, 0)
         self._fields = memoryview(self._map).cast(protocol.BEAT_FORMAT)

@@ -2,9 +2,12 @@
 
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
+from harness import REPO
 
 from runtime import heartbeat
 from runtime.beats import BEATS_NAME, BeatFile
@@ -98,3 +101,39 @@ def test_a_slot_says_which_model_its_pack_runs_and_starts_running_nothing(beats)
     beats.free(slot)
     assert beats.allocate() == slot and beats.running(slot) == protocol.NOTHING_RUNNING
     assert beats.oldest() > 4.0, "a running field was read as a beat"
+
+
+FILL_THEN_GROW = r"""
+import errno, os, sys
+from runtime.beats import BeatFile
+folder = sys.argv[1]
+beats = BeatFile(folder)
+beats.allocate()
+with open(os.path.join(folder, "filler"), "wb", buffering=0) as filler:
+    try:
+        while True:
+            filler.write(bytes(4096))
+    except OSError:
+        pass
+try:
+    for _ in range(600):  # past the file's first page, which the disk could hold
+        beats.allocate()
+except OSError as error:
+    sys.exit(0 if error.errno == errno.ENOSPC else 1)
+sys.exit(2)
+"""
+
+
+def test_a_full_disk_refuses_a_slot_rather_than_killing_the_front_with_sigbus(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    mount_tmpfs = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)]
+    made = subprocess.run(mount_tmpfs, capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"no tmpfs can be mounted here: {made.stderr.decode().strip()}")
+    try:
+        child = [sys.executable, "-c", FILL_THEN_GROW, str(mount)]
+        ran = subprocess.run(child, cwd=REPO, capture_output=True)
+        assert ran.returncode == 0, (ran.returncode, ran.stderr.decode()[-2000:])
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
