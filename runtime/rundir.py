@@ -158,8 +158,12 @@ def take_lock(path: str) -> Lock:
         raise RuntimeDirError(
             f"RUNTIME_DIR: {path} is in use by another front (pid {holder}); one front per RUNTIME_DIR"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as error:  # a full disk: one line, as for the other refusals, not a traceback
+        os.close(fd)
+        raise RuntimeDirError(f"RUNTIME_DIR: cannot write {lock_path}: {error.strerror}") from None
     return Lock(fd)
 
 

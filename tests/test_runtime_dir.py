@@ -5,6 +5,7 @@ Unit tests of runtime/rundir.py and runtime/leftovers.py, then real fronts
 """
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -119,6 +120,15 @@ def test_a_second_lock_on_the_folder_is_refused_naming_the_holder_until_it_is_re
         rundir.prepare(run_dir)
     first.close()
     rundir.prepare(run_dir).close()
+
+
+def test_a_full_disk_refuses_the_lock_with_a_line_naming_runtime_dir_not_a_traceback(run_dir, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(rundir.RuntimeDirError, match="RUNTIME_DIR: cannot write .*: No space left on device"):
+        rundir.prepare(run_dir)
 
 
 def test_a_symlinked_runtime_dir_is_refused_and_its_target_left_as_it_was(tmp_path):
