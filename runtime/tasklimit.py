@@ -1,14 +1,15 @@
 """The pids cgroup's task limit, checked before each worker is forked.
 
-A container's pids cgroup caps its tasks (processes and threads). A fork
-server whose fork fails there (EAGAIN) does not survive it: multiprocessing's
-fork server loop re-raises every OSError but one, so it exits, and every
-worker it forked dies with it. The front starts it again and heals those
-models, whose new workers reach the limit again: each model of that fork
-server would die again and again, counted against none. So the pool forks no
-worker that would leave the cgroup (or one above it) fewer than
-RESERVED_TASKS to spare: the load that needed it is refused instead, as at
-the open-file limit (runtime/filelimit.py).
+A container's pids cgroup caps its tasks (processes and threads). At the
+limit a fork fails (EAGAIN), or a worker's threads cannot start and it
+aborts: the load waiting for it would wait for a worker that never comes,
+and multiprocessing's fork server, left to itself, exits on a failed fork
+with every worker it forked (workers/preload.py keeps it serving). So the
+pool forks no worker that would leave the cgroup (or one above it that it
+can see) fewer than RESERVED_TASKS to spare: the load that needed it is
+refused at once, naming pids.max, as at the open-file limit
+(runtime/filelimit.py). A limit on a cgroup the container cannot see (a
+pod's) is met by the fork server's survival alone.
 """
 
 from __future__ import annotations

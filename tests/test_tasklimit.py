@@ -10,7 +10,7 @@ import time
 
 import grpc
 import pytest
-from harness import Runtime, expect_status
+from harness import REPO, Runtime, expect_status, status_of, wait_until
 
 from meshtest import cgroup
 from runtime import tasklimit
@@ -84,3 +84,27 @@ def test_a_load_past_pids_max_is_refused_and_the_models_loaded_keep_their_worker
         assert "fork server died" not in log and "healing" not in log, log
     finally:
         joins.remove()
+
+
+def test_a_fork_the_kernel_refuses_fails_that_start_alone_and_the_fork_server_lives_on(tmp_path):
+    # A limit the front cannot see (a pod's pids.max above the container's own cgroup): the fork
+    # server's fork fails with EAGAIN.
+    refuse = tmp_path / "refuse-forks"
+    meshtest = os.path.join(REPO, "meshtest")
+    env = {"WORKER_PRELOAD": "numpy,fork_fails", "PYTHONPATH": meshtest, "MESH_TEST_FORK_FAILS": str(refuse)}
+    with Runtime(WORKERS_WARM="1", **env) as rt:
+        folder = rt.model_dir("echo")
+        rt.load("first", folder)
+        forkserver = rt.forkservers()[0].pid
+        refuse.touch()
+        rt.load("second", folder)  # takes the spare; its refill is refused
+        error = expect_status(grpc.StatusCode.UNAVAILABLE, rt.load, "third", folder)
+        assert "did not start" in error.details()
+        assert rt.infer_fp32("first", [1.0]).outputs[0].name == "x"
+        assert [p.pid for p in rt.forkservers()] == [forkserver]
+        refuse.unlink()
+        wait_until(lambda: status_of(rt.load, "third", folder) == grpc.StatusCode.OK, timeout=40)
+        assert rt.infer_fp32("third", [1.0]).outputs[0].name == "x"
+        log = rt.log()
+    assert "cannot fork a worker: [Errno 11]" in log, log
+    assert "fork server died" not in log and "healing" not in log, log

@@ -13,6 +13,7 @@ that collections in the workers do not touch (and so copy) the shared pages.
 """
 
 import ctypes
+import errno
 import gc
 import importlib
 import os
@@ -52,6 +53,37 @@ def _preload() -> None:
     gc.collect()
     _fill_heap_holes()
     gc.freeze()
+    _keep_serving_when_a_fork_fails()
+
+
+def _keep_serving_when_a_fork_fails() -> None:
+    """A fork the kernel refuses (EAGAIN at the pids cgroup's pids.max or RLIMIT_NPROC, ENOMEM)
+    must not end the fork server: multiprocessing's loop re-raises it and exits, and every worker
+    it forked dies with it. Its loop goes on past an ECONNABORTED instead; the request's
+    descriptors, closed here, tell the front that no worker came (EOF), and the front's start of
+    the worker fails alone. Where the loop does not hold them under these names, the error stands.
+    """
+    real_fork = os.fork
+
+    def fork() -> int:
+        try:
+            pid = real_fork()
+        except OSError as error:
+            request = sys._getframe(1).f_locals  # multiprocessing.forkserver.main's
+            if error.errno not in (errno.EAGAIN, errno.ENOMEM) or not _REQUEST_FDS <= request.keys():
+                raise
+            for fd in (request["child_r"], request["child_w"], *request["fds"]):
+                os.close(fd)
+            print(f"mesh-runtime forkserver: cannot fork a worker: {error}", file=sys.stderr, flush=True)
+            raise OSError(errno.ECONNABORTED, "the fork failed") from error
+        if pid == 0:
+            os.fork = real_fork  # a worker's own forks are its models'
+        return pid
+
+    os.fork = fork
+
+
+_REQUEST_FDS = {"child_r", "child_w", "fds"}
 
 
 class _Mallinfo2(ctypes.Structure):
