@@ -57,6 +57,22 @@ def resolve(
 ) -> ModelSpec:
     check_loadable_id(model_id)
     key = parse_key(model_key)
+    try:
+        return _resolved(model_id, model_type, model_path, key, settings, known_formats)
+    except OSError as error:  # an unreadable folder, a symlink loop: the files' fault, told as such
+        raise status.failed_precondition(
+            f"modelPath {model_path}: cannot read {error.filename or model_path}: {error.strerror}"
+        ) from None
+
+
+def _resolved(
+    model_id: str,
+    model_type: str,
+    model_path: str,
+    key: dict[str, Any],
+    settings: Settings,
+    known_formats: tuple[formats.Format, ...],
+) -> ModelSpec:
     path, disk_bytes = checked_path(model_path, settings)
     fmt = detect_format(key, model_type, path, known_formats)
     if fmt.framework and importlib.util.find_spec(fmt.framework) is None:
@@ -88,10 +104,23 @@ def _holds_modules(path: str) -> bool:
 
 
 def _holds_code(folder: str) -> bool:
-    for _, _, files in os.walk(folder, followlinks=True):  # unreadable folders are skipped, as in _walk
+    for _, _, files in _folders(folder):  # unreadable folders are skipped, as in _walk
         if any(name.endswith(_MODULE_SUFFIXES) for name in files):
             return True
     return False
+
+
+def _folders(path: str):
+    """os.walk(path) following symlinks, each real folder once: a link back up the tree
+    ("current -> .") would otherwise be walked ever deeper until the kernel refuses the path."""
+    seen = set()
+    for folder, dirs, files in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs.clear()
+            continue
+        seen.add(real)
+        yield folder, dirs, files
 
 
 def check_model_id(model_id: str) -> None:
@@ -171,8 +200,10 @@ def _checked_target(path: str, shown: str, allowed: tuple[str, ...]) -> str:
         raise status.invalid_argument(
             f"modelPath {shown} leads through a symlink to {real}, outside ROOT_MODEL_DIR and PVC_MOUNTS_DIR"
         )
-    if not os.path.exists(real):
-        raise status.failed_precondition(f"modelPath {shown}: {path} is a broken symlink")
+    try:
+        os.stat(real)
+    except FileNotFoundError:  # else (a loop, no permission) resolve() says what the OSError says
+        raise status.failed_precondition(f"modelPath {shown}: {path} is a broken symlink") from None
     return real
 
 
@@ -182,7 +213,7 @@ def _walk(path: str, shown: str):
         yield path
         return
     count = 0
-    for folder, dirs, files in os.walk(path, followlinks=True):
+    for folder, dirs, files in _folders(path):
         count += len(dirs) + len(files)
         if count > MAX_MODEL_FILES:
             raise status.failed_precondition(f"modelPath {shown} holds more than {MAX_MODEL_FILES} files")

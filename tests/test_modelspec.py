@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -21,8 +22,6 @@ def settings(tmp_path):
 
 def model_folder(settings, name, files):
     folder = f"{settings.root_model_dir}/{name}"
-    import os
-
     os.makedirs(folder)
     for file_name, size in files.items():
         os.makedirs(os.path.dirname(f"{folder}/{file_name}"), exist_ok=True)
@@ -106,3 +105,71 @@ def test_predicted_size_never_below_the_floor(settings):
 )
 def test_format_name_sources(model_type, key, expected):
     assert modelspec.format_name_from(modelspec.parse_key(key), model_type) == expected
+
+
+def sklearn_key() -> str:
+    return json.dumps({"model_type": {"name": "sklearn"}})
+
+
+def test_a_symlink_loop_in_the_model_folder_is_walked_once(settings):
+    # A link back up the tree ("current -> .") is harmless to the load; walked, its files would
+    # be met ever deeper until the kernel refuses the path (ELOOP), and counted each time.
+    folder = model_folder(settings, "m", {"model.joblib": 1000, "data/extra.bin": 500})
+    os.symlink(".", f"{folder}/current")
+    os.symlink("..", f"{folder}/data/up")
+    spec = modelspec.resolve("m", "", folder, sklearn_key(), settings)
+    assert spec.disk_bytes == 1500
+
+
+def test_a_custom_model_folder_with_symlink_loops_is_walked_once(settings):
+    folder = model_folder(settings, "m", {"model.py": 10})
+    os.makedirs(f"{folder}/assets")
+    os.symlink(".", f"{folder}/assets/loop_a")
+    os.symlink(".", f"{folder}/assets/loop_b")  # 2^40 paths to walk, if each were followed to ELOOP
+    spec = modelspec.resolve("m", "", folder, json.dumps({"model_type": {"name": "python"}}), settings)
+    assert not spec.brings_modules and spec.disk_bytes == 10
+
+
+def test_a_modelpath_that_loops_is_failed_precondition_naming_the_loop(settings):
+    folder = model_folder(settings, "m", {})
+    os.symlink(f"{folder}/b", f"{folder}/a")
+    os.symlink(f"{folder}/a", f"{folder}/b")
+    with pytest.raises(status.RpcError) as error:
+        modelspec.resolve("m", "", f"{folder}/a", sklearn_key(), settings)
+    assert error.value.code.name == "FAILED_PRECONDITION"
+    assert "symbolic links" in error.value.message
+
+
+@pytest.mark.parametrize("name_key", ["", "sklearn"])
+def test_an_unreadable_model_folder_is_failed_precondition_naming_it(settings, monkeypatch, name_key):
+    # As root the test cannot make a folder unreadable: os.listdir fails as it would for another user.
+    folder = model_folder(settings, "m", {"model.joblib": 10})
+    listdir = os.listdir
+
+    def refused(path="."):
+        if os.path.realpath(path) == os.path.realpath(folder):
+            raise PermissionError(13, "Permission denied", path)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", refused)
+    key = json.dumps({"model_type": {"name": name_key}}) if name_key else ""
+    with pytest.raises(status.RpcError) as error:
+        modelspec.resolve("m", "", folder, key, settings)
+    assert error.value.code.name == "FAILED_PRECONDITION"
+    assert error.value.message == f"modelPath {folder}: cannot read {folder}: Permission denied"
+
+
+def test_a_file_that_cannot_be_reached_is_not_called_a_broken_symlink(settings, monkeypatch):
+    folder = model_folder(settings, "m", {"model.joblib": 10})
+    stat = os.stat
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith("model.joblib"):
+            raise PermissionError(13, "Permission denied", path)
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", refused)
+    with pytest.raises(status.RpcError) as error:
+        modelspec.resolve("m", "", folder, sklearn_key(), settings)
+    assert error.value.code.name == "FAILED_PRECONDITION"
+    assert "symlink" not in error.value.message and "Permission denied" in error.value.message
