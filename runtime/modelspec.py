@@ -74,6 +74,10 @@ def _resolved(
     known_formats: tuple[formats.Format, ...],
 ) -> ModelSpec:
     path, disk_bytes = checked_path(model_path, settings)
+    if not _is_text(path):  # the worker is told the path in msgpack, as UTF-8 text
+        raise status.failed_precondition(
+            f"modelPath {model_path} leads to {path!r}, a name that is not UTF-8: rename it"
+        )
     fmt = detect_format(key, model_type, path, known_formats)
     if fmt.framework and importlib.util.find_spec(fmt.framework) is None:
         raise status.failed_precondition(
@@ -86,6 +90,15 @@ def _resolved(
         )
     brings_modules = fmt.imports_from_its_folder and _holds_modules(path)
     return ModelSpec(model_id, path, fmt, disk_bytes, brings_modules)
+
+
+def _is_text(path: str) -> bool:
+    """Whether `path` is UTF-8 on disk: a name that is not holds surrogate escapes here."""
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _holds_modules(path: str) -> bool:

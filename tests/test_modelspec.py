@@ -173,3 +173,17 @@ def test_a_file_that_cannot_be_reached_is_not_called_a_broken_symlink(settings, 
         modelspec.resolve("m", "", folder, sklearn_key(), settings)
     assert error.value.code.name == "FAILED_PRECONDITION"
     assert "symlink" not in error.value.message and "Permission denied" in error.value.message
+
+
+def test_a_modelpath_leading_to_a_name_that_is_not_utf8_is_refused_before_a_worker(settings):
+    # The worker is sent the real path as text (msgpack): such a name failed the load with
+    # INTERNAL after a worker was taken, leaving a request pending for it.
+    root = settings.root_model_dir.encode()
+    os.makedirs(root + b"/d\xfeir")
+    with open(root + b"/d\xfeir/model.joblib", "wb") as f:
+        f.write(b"\0" * 10)
+    os.symlink(root + b"/d\xfeir", root + b"/link")
+    with pytest.raises(status.RpcError) as error:
+        modelspec.resolve("m", "", "link", sklearn_key(), settings)
+    assert error.value.code.name == "FAILED_PRECONDITION"
+    assert "not UTF-8" in error.value.message
