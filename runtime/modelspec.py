@@ -166,6 +166,8 @@ def parse_key(model_key: str) -> dict[str, Any]:
         key = json.loads(model_key)
     except json.JSONDecodeError as error:
         raise status.invalid_argument(f"modelKey is not valid JSON: {error}") from None
+    except RecursionError:  # the decoder recurses per level of nesting
+        raise status.invalid_argument("modelKey nests deeper than its JSON decoder reads") from None
     if not isinstance(key, dict):
         raise status.invalid_argument("modelKey must be a JSON object")
     return key

@@ -187,3 +187,10 @@ def test_a_modelpath_leading_to_a_name_that_is_not_utf8_is_refused_before_a_work
         modelspec.resolve("m", "", "link", sklearn_key(), settings)
     assert error.value.code.name == "FAILED_PRECONDITION"
     assert "not UTF-8" in error.value.message
+
+
+def test_a_modelkey_nested_too_deep_is_invalid_argument():
+    with pytest.raises(status.RpcError) as error:
+        modelspec.parse_key("[" * 100_000 + "]" * 100_000)
+    assert error.value.code.name == "INVALID_ARGUMENT"
+    assert error.value.message == "modelKey nests deeper than its JSON decoder reads"
