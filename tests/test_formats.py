@@ -380,6 +380,20 @@ def test_xgboost_reads_ubjson(tmp_path):
     assert model.metadata()["outputs"][0]["shape"] == [-1]
 
 
+@pytest.mark.parametrize("content", [b"", b'{"learner": {', b"{not ubj"])
+def test_an_unreadable_xgboost_file_is_told_without_the_native_stack_trace(tmp_path, content):
+    # The message becomes the load's gRPC status message: the library's backtrace (addresses in
+    # libxgboost.so) would take most of its 1 KiB and tell the model's owner nothing.
+    xgboost = pytest.importorskip("xgboost", reason="pip install 'mesh-runtime[xgboost]'")
+    from workers.formats import xgboost as adapter
+
+    (tmp_path / "model.json").write_bytes(content)
+    with pytest.raises(xgboost.core.XGBoostError) as error:
+        adapter.load(str(tmp_path))
+    assert str(error.value).startswith(f"cannot read {tmp_path / 'model.json'}: ")
+    assert "Stack trace" not in str(error.value) and "[bt]" not in str(error.value)
+
+
 # -- the model file inside modelPath (no runtime needed) ----------------------------------------
 
 
