@@ -55,6 +55,16 @@ def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo, monkeypatch):
     assert titles[-1] == "pack models=1"  # its title counts what it holds, not the load that failed
 
 
+@pytest.mark.parametrize("body", ["raise RuntimeError('str broke')", "return 5"])
+def test_a_load_failing_with_an_exception_that_cannot_be_told_fails_alone(tmp_path, body):
+    # Formatting the failure ran the model's __str__: what it raised took the worker, and in a
+    # pack every model it held, down.
+    holdings = Holdings(batch_max=1)
+    source = f"class Bad(Exception):\n    def __str__(self):\n        {body}\n\nraise Bad()\n"
+    failed = load(holdings, "b", write_model(str(tmp_path / "broken"), source), pack=True)
+    assert failed["error"] == protocol.ERROR_LOAD and failed["message"] == "Bad: <exception str() failed>"
+
+
 def test_a_pack_loads_framework_models_on_a_thread_of_idle_priority_and_nothing_else(monkeypatch):
     policies: list[int] = []
     shares: list[bool] = []

@@ -102,7 +102,7 @@ class Holdings:
         try:
             model, helpers, servers = self._load(model_id, header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
-            failure = f"{type(error).__name__}: {error}"
+            failure = protocol.described(error)
         if failure is not None:  # out of the except block: its traceback holds what the load made
             log.warning("load of %s failed: %s", model_id, failure, extra={"model_id": model_id})
             self._after_change(collect=True)  # what the failed load left goes back before measuring

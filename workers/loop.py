@@ -225,9 +225,7 @@ class Worker:
         try:
             reply = self.on_call(header, payloads)
         except BaseException as error:  # SystemExit and friends from model code: still answer
-            reply = [
-                protocol.error_reply(header["id"], protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")
-            ]
+            reply = [protocol.error_reply(header["id"], protocol.ERROR_MODEL, protocol.described(error))]
         push = getattr(self.thread_sockets, "push", None)
         if push is None:
             push = self.thread_sockets.push = self.context.socket(zmq.PUSH)
@@ -302,9 +300,7 @@ class Worker:
             log.exception(
                 "model %s raised while serving %s", held.model_id, method, extra={"model_id": held.model_id}
             )
-            return [
-                protocol.error_reply(request_id, protocol.ERROR_MODEL, f"{type(error).__name__}: {error}")
-            ]
+            return [protocol.error_reply(request_id, protocol.ERROR_MODEL, protocol.described(error))]
 
     def _dispatch(self, held: Held, request_id: int, method: str, request) -> list:
         if method == protocol.METHOD_INFER:

@@ -194,6 +194,16 @@ def error_reply(request_id: int, kind: str, message: str) -> bytes:
     return header(OP_REPLY, request_id, ok=False, error=kind, message=message)
 
 
+def described(error: BaseException) -> str:
+    """`Type: message` for a failed reply. Formatting cannot fail: the message comes from model
+    code, whose __str__ may raise, and would take the worker down with it."""
+    try:
+        text = str(error)
+    except BaseException:
+        text = "<exception str() failed>"  # as Python's own traceback says
+    return f"{type(error).__name__}: {text}"
+
+
 def parse_header(frame: bytes | memoryview) -> dict[str, Any]:
     """Unpacks and checks a header frame; raises ProtocolError when it is not one of ours."""
     try:
