@@ -55,6 +55,26 @@ def test_a_failed_load_leaves_the_pack_as_it_was(tmp_path, echo, monkeypatch):
     assert titles[-1] == "pack models=1"  # its title counts what it holds, not the load that failed
 
 
+def test_a_failed_load_is_told_in_a_bounded_message(tmp_path, caplog):
+    # The message goes into the worker's log, the front's, and the reply: a model that puts
+    # megabytes in its exception (a data frame, a config) must not put them in every log line.
+    holdings = Holdings(batch_max=1)
+    broken = write_model(str(tmp_path / "broken"), "raise ValueError('x' * 5_000_000)\n")
+    with caplog.at_level("WARNING"):
+        failed = load(holdings, "b", broken, pack=False)
+    assert failed["message"].startswith("ValueError: xxx") and len(failed["message"]) < 5000
+    assert failed["message"].endswith(
+        f"... ({5_000_000 + len('ValueError: ') - protocol.ERROR_MESSAGE_MAX_CHARS} more characters)"
+    )
+    assert max(len(record.getMessage()) for record in caplog.records) < 5000
+
+
+def test_a_failed_load_of_an_exception_without_a_message_names_its_type_alone(tmp_path):
+    holdings = Holdings(batch_max=1)
+    broken = write_model(str(tmp_path / "broken"), "raise EOFError()\n")
+    assert load(holdings, "b", broken, pack=False)["message"] == "EOFError"
+
+
 @pytest.mark.parametrize("body", ["raise RuntimeError('str broke')", "return 5"])
 def test_a_load_failing_with_an_exception_that_cannot_be_told_fails_alone(tmp_path, body):
     # Formatting the failure ran the model's __str__: what it raised took the worker, and in a

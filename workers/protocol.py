@@ -194,14 +194,23 @@ def error_reply(request_id: int, kind: str, message: str) -> bytes:
     return header(OP_REPLY, request_id, ok=False, error=kind, message=message)
 
 
+# A failed reply's message goes into the worker's log, the front's and the status (which holds
+# 1 KiB of it, runtime/status.py): model code may put megabytes in an exception (a data frame).
+ERROR_MESSAGE_MAX_CHARS = 4096
+
+
 def described(error: BaseException) -> str:
-    """`Type: message` for a failed reply. Formatting cannot fail: the message comes from model
-    code, whose __str__ may raise, and would take the worker down with it."""
+    """`Type: message` for a failed reply, at most ERROR_MESSAGE_MAX_CHARS; the type alone for an
+    exception without a message (an empty pickle's EOFError). Formatting cannot fail: the message
+    comes from model code, whose __str__ may raise, and would take the worker down with it."""
     try:
         text = str(error)
     except BaseException:
         text = "<exception str() failed>"  # as Python's own traceback says
-    return f"{type(error).__name__}: {text}"
+    told = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    if len(told) <= ERROR_MESSAGE_MAX_CHARS:
+        return told
+    return f"{told[:ERROR_MESSAGE_MAX_CHARS]}... ({len(told) - ERROR_MESSAGE_MAX_CHARS} more characters)"
 
 
 def parse_header(frame: bytes | memoryview) -> dict[str, Any]:
