@@ -380,6 +380,21 @@ def test_xgboost_reads_ubjson(tmp_path):
     assert model.metadata()["outputs"][0]["shape"] == [-1]
 
 
+@pytest.mark.parametrize("cut", [0, 100])
+def test_an_empty_or_truncated_sklearn_file_is_told_so(tmp_path, cut):
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    import joblib
+    from sklearn.linear_model import LinearRegression
+
+    from workers.formats import sklearn as adapter
+
+    joblib.dump(LinearRegression().fit([[0.0], [1.0]], [0.0, 1.0]), tmp_path / "model.joblib")
+    saved = (tmp_path / "model.joblib").read_bytes()
+    (tmp_path / "model.joblib").write_bytes(saved[:cut])
+    with pytest.raises(EOFError, match="ends before its pickle does: empty or cut short"):
+        adapter.load(str(tmp_path))
+
+
 @pytest.mark.parametrize("content", [b"", b'{"learner": {', b"{not ubj"])
 def test_an_unreadable_xgboost_file_is_told_without_the_native_stack_trace(tmp_path, content):
     # The message becomes the load's gRPC status message: the library's backtrace (addresses in

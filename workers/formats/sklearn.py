@@ -46,7 +46,11 @@ ESTIMATOR_MODULES = (
 def load(path: str) -> SklearnModel:
     import joblib  # scikit-learn's own dependency; it reads plain pickles too
 
-    estimator = joblib.load(common.model_file(path, "sklearn"))
+    file = common.model_file(path, "sklearn")
+    try:
+        estimator = joblib.load(file)
+    except EOFError:  # raised without a message, which would leave the load's status saying nothing
+        raise EOFError(f"{file} ends before its pickle does: empty or cut short") from None
     if not callable(getattr(estimator, "predict", None)):
         raise TypeError(f"the file holds a {type(estimator).__name__}, which has no predict()")
     model = SklearnModel(estimator)
