@@ -380,6 +380,22 @@ def test_xgboost_reads_ubjson(tmp_path):
     assert model.metadata()["outputs"][0]["shape"] == [-1]
 
 
+def test_a_truncated_lightgbm_file_is_refused_before_lightgbm_aborts_on_it(tmp_path):
+    # LightGBM parses the trees in an OpenMP loop, where its exception for a tree cut short
+    # cannot propagate: std::terminate, SIGABRT, and a pack's every model with it. In a child.
+    pytest.importorskip("lightgbm", reason="pip install 'mesh-runtime[lightgbm]'")
+    import lightgbm
+
+    rows = np.arange(40, dtype=np.float64).reshape(20, 2)
+    booster = lightgbm.train({"verbose": -1}, lightgbm.Dataset(rows, label=rows[:, 0]), num_boost_round=3)
+    text = booster.model_to_string()
+    (tmp_path / "model.txt").write_text(text[: text.index("end of trees") // 2])
+    code = f"from workers.formats import lightgbm; lightgbm.load({str(tmp_path)!r})"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert loaded.returncode == 1, loaded.stderr
+    assert "ValueError: " in loaded.stderr and "cut short: it has no 'end of trees' line" in loaded.stderr
+
+
 @pytest.mark.parametrize("cut", [0, 100])
 def test_an_empty_or_truncated_sklearn_file_is_told_so(tmp_path, cut):
     pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")

@@ -19,8 +19,16 @@ def load(path: str) -> LightGBMModel:
     import lightgbm
 
     # LightGBM parses a model held in memory several times faster than it reads the same file.
-    with open(common.model_file(path, "lightgbm"), encoding="utf-8") as model:
-        return LightGBMModel(lightgbm.Booster(model_str=model.read()))
+    file = common.model_file(path, "lightgbm")
+    with open(file, encoding="utf-8") as model:
+        text = model.read()
+    # It parses the trees in an OpenMP loop, where its error for a tree cut short cannot propagate:
+    # the process aborts, a pack with every model it holds. Every model it saves ends its trees so.
+    if "end of trees" not in text:
+        raise ValueError(
+            f"{file} is not a whole LightGBM model, or was cut short: it has no 'end of trees' line"
+        )
+    return LightGBMModel(lightgbm.Booster(model_str=text))
 
 
 class LightGBMModel:
