@@ -25,17 +25,21 @@ def load(path: str) -> XGBoostModel:
     file = common.model_file(path, "xgboost")
     try:
         booster.load_model(file)
-    except (xgboost.core.XGBoostError, UnicodeDecodeError):
-        raise xgboost.core.XGBoostError(f"cannot read {file}: {_last_error(xgboost.core)}") from None
+    except (xgboost.core.XGBoostError, UnicodeDecodeError) as error:
+        raise xgboost.core.XGBoostError(f"cannot read {file}: {_last_error(xgboost.core, error)}") from None
     return XGBoostModel(booster)
 
 
-def _last_error(core) -> str:
+def _last_error(core, error: Exception) -> str:
     """The library's message for the call that failed, without its native backtrace (addresses in
     libxgboost.so, of no use to the model's owner, filling most of the load's status message).
     Read as bytes: where it quotes the byte a file ended at (EOF as 0xff), the wrapper's own
-    decoding raises UnicodeDecodeError, which would blame the file's encoding instead."""
-    message = core._LIB.XGBGetLastError().decode(errors="replace")
+    decoding raises UnicodeDecodeError, which would blame the file's encoding instead. The C
+    function is not xgboost's Python API: where it is not there, the error as raised."""
+    try:
+        message = core._LIB.XGBGetLastError().decode(errors="replace")
+    except Exception:
+        message = str(error)
     return message.split("\nStack trace:", 1)[0]
 
 
