@@ -62,12 +62,12 @@ class ProcessRegistry:
             )
 
     def remove(self, pid: int, identity: lifeline.Identity | None = None) -> None:
-        """Forgets a reaped process, and unlinks the shared-memory blocks a worker's models left
-        (`identity`: the worker's, as it was started). Blocking: the unlinks free their memory."""
-        try:
-            os.unlink(os.path.join(self.folder, str(pid)))
-        except FileNotFoundError:
-            pass
+        """Forgets a reaped process (its record, its stack dump), and unlinks the shared-memory blocks
+        a worker's models left (`identity`: the worker's, as it was started). Blocking: the unlinks
+        free their memory."""
+        for path in (os.path.join(self.folder, str(pid)), stacks.stacks_path(self.runtime_dir, pid)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         if identity is not None:
             record = shmblocks.record_path(self.runtime_dir, identity)
             # Multiprocessing's tracker, which the workers share, is this process's: it forgets them.

@@ -25,13 +25,11 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import os
 import signal
 import time
 
 import workers.main
-from plumbing import stacks
-from runtime import filelimit, forkserver, heartbeat, status, tasklimit
+from runtime import filelimit, forkserver, heartbeat, oomkills, status, tasklimit
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
 from runtime.heaptrim import QuietTrimmer
@@ -79,6 +77,7 @@ class WorkerPool:
         self.heap = QuietTrimmer()  # note() whenever the front freed what it held for something
         self._closing = False
         self._closed = asyncio.Event()  # set by close(): ends a spawn backoff at once
+        self._oom_kills = oomkills.OomKills()
 
     # -- start and stop -------------------------------------------------------
 
@@ -377,7 +376,7 @@ class WorkerPool:
 
     def _collect_exit(self, worker: Worker) -> int | None:
         """Spawner thread: read the exit code the fork server wrote, free the process object, note
-        whether the worker died with its fork server (which is then started again)."""
+        whether the worker died with its fork server (which is then started again) or for memory."""
         worker.orphaned = not self._closing and self._forkservers.revive_if_dead(
             worker.group, worker.forked_by
         )
@@ -385,11 +384,10 @@ class WorkerPool:
         assert pid is not None  # _spawn_one watches the sentinel only once the pid is set
         process.join(timeout=5)
         code = process.exitcode
+        worker.oom_killed = self._oom_kills.rose() and code == -signal.SIGKILL and worker.kill_cause is None
         if code is not None:
             process.close()
         self.registry.remove(pid, worker.pid_identity)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(stacks.stacks_path(self.settings.runtime_dir, pid))
         return code
 
     def _background(self, coroutine, name: str) -> asyncio.Task:

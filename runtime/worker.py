@@ -82,6 +82,8 @@ CRASH_LABEL = "crash"
 ORPHANED_LABEL = "forkserver"
 # Its cause of death, said instead of its exit code: multiprocessing's for "the fork server did not say".
 FORKSERVER_DIED = "its fork server died"
+# ... and for one killed by a SIGKILL the front did not send while the kernel counted an OOM kill.
+OUT_OF_MEMORY = "killed by SIGKILL as the kernel's OOM killer ran: out of memory"
 
 
 class IllegalTransition(RuntimeError):
@@ -114,6 +116,7 @@ class Worker:
         self.kill_cause: KillCause | None = None
         # Its fork server had died when it was reaped: its death is not its model's doing.
         self.orphaned = False
+        self.oom_killed = False  # set once reaped (runtime/oomkills.py)
         self.kill_reason = ""  # the sentence for logs and status messages
         self.served = 0
         self.errors = 0
@@ -168,7 +171,9 @@ class Worker:
     @property
     def death_cause(self) -> str:
         """Why it died where the front knows better than its exit code; "" where it does not."""
-        return FORKSERVER_DIED if self.orphaned else ""
+        if self.orphaned:
+            return FORKSERVER_DIED
+        return OUT_OF_MEMORY if self.oom_killed else ""
 
     async def reaped_within(self, seconds: float) -> None:
         """Returns once it is reaped (its exit code and cause known), or `seconds` passed."""

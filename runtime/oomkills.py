@@ -1,0 +1,67 @@
+"""Whether the kernel's OOM killer ran: what tells a worker killed for memory from one killed by hand.
+
+A worker the OOM killer ends exits as any SIGKILLed process does, and the log
+and the status said only "killed by SIGKILL", leaving the operator to guess.
+The kernel counts its OOM kills: per memory cgroup (v2 `memory.events`, v1
+`memory.oom_control`, both `oom_kill`) and for the whole machine
+(`/proc/vmstat`). The pool reads the count at every worker's exit; a worker
+that died of a SIGKILL the front did not send while the count rose is
+reported as out of memory. Most likely so, not surely: another process's OOM
+kill in the same cgroup at the same time would look the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+MACHINE_COUNT = "/proc/vmstat"
+_KEY = "oom_kill"
+
+
+class OomKills:
+    """The OOM kill count of the cgroup this process is in (else of the machine), as last read."""
+
+    def __init__(self, self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = CGROUP_ROOT):
+        self.path = counter_path(self_cgroup, cgroup_root)
+        self._seen = read_count(self.path)
+
+    def rose(self) -> bool:
+        """Whether the count grew since the last read (blocking: a file read)."""
+        count = read_count(self.path)
+        rose = count is not None and self._seen is not None and count > self._seen
+        self._seen = count
+        return rose
+
+
+def counter_path(self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = CGROUP_ROOT) -> str:
+    """The file holding the OOM kill count of this process's memory cgroup, else the machine's."""
+    try:
+        with open(self_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return MACHINE_COUNT
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy, counting the kills below it too
+            candidate = os.path.join(cgroup_root, path.lstrip("/"), "memory.events")
+        elif "memory" in controllers.split(","):
+            candidate = os.path.join(cgroup_root, "memory", path.lstrip("/"), "memory.oom_control")
+        else:
+            continue
+        if read_count(candidate) is not None:
+            return candidate
+    return MACHINE_COUNT
+
+
+def read_count(path: str) -> int | None:
+    """The `oom_kill` line's number in `path`; None where the file or the line is not there."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == _KEY:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
