@@ -24,6 +24,7 @@ worker hands it to the model's handle(method, request_bytes).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
@@ -52,6 +53,9 @@ ROUTED_HANDLERS_MAX = 4096
 # Fields walked looking for the model id of a request without headers: a
 # fraction of a millisecond of the event loop at most.
 ID_SEARCH_MAX_FIELDS = 1024
+# grpc cancels a call's handler as its deadline passes, by its own clock: up to a few milliseconds
+# before context.time_remaining() reaches 0. A call cancelled this close to its deadline timed out.
+DEADLINE_SLACK_SECONDS = 0.05
 
 
 def model_id_in_headers(metadata) -> str:
@@ -191,6 +195,13 @@ class InferenceService(grpc.GenericRpcHandler):
             # client may read the metrics the moment it has its answer.
             self._observe(model_id, label, error.code.name, started)
             await status.abort(context, error)
+        except asyncio.CancelledError:
+            # Most often grpc's deadline beat the dispatcher's own timer: the client sees
+            # DEADLINE_EXCEEDED all the same. A call its client cancelled was never answered.
+            remaining = context.time_remaining()
+            if remaining is not None and remaining < DEADLINE_SLACK_SECONDS:
+                self._observe(model_id, label, "DEADLINE_EXCEEDED", started)
+            raise
         self._observe(model_id, label, "OK", started)
         if len(request) >= heap.TRIM_AFTER_BYTES or len(response) >= heap.TRIM_AFTER_BYTES:
             self.heap.note()

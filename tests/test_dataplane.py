@@ -341,6 +341,45 @@ def test_handlers_kept_per_header_id_are_bounded_and_never_misroute():
     assert dispatcher.called == ids
 
 
+@pytest.mark.parametrize("remaining, counted", [(0.004, ["DEADLINE_EXCEEDED"]), (3.0, []), (None, [])])
+def test_a_call_grpc_cancels_at_its_deadline_is_counted_as_deadline_exceeded(remaining, counted):
+    """grpc cancels the handler as the deadline passes, by its own clock a few milliseconds before
+    time_remaining() reaches 0, and often before the dispatcher's timer: the client still sees
+    DEADLINE_EXCEEDED. A call its client cancelled was never answered, and is not counted."""
+    details = collections.namedtuple("Details", "method invocation_metadata")
+    dispatcher, observed = _RecordingDispatcher(), []
+
+    async def never_answered(model_id, method, request, timeout):
+        await asyncio.Event().wait()
+
+    dispatcher.call = never_answered
+    dispatcher.supervisor = types.SimpleNamespace(
+        metrics=types.SimpleNamespace(
+            observe_call=lambda model_id, label, code, seconds: observed.append(code)
+        ),
+        is_known=lambda model_id: True,
+    )
+
+    async def read():
+        return b""
+
+    context = types.SimpleNamespace(time_remaining=lambda: remaining, read=read)
+
+    async def cancelled_call():
+        service = InferenceService(dispatcher, allow_any_method=False)
+        handler = service.service(
+            details("/inference.GRPCInferenceService/ModelInfer", (("mm-model-id", "m"),))
+        )
+        task = asyncio.ensure_future(handler.stream_unary(iter(()), context))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled_call())
+    assert observed == counted
+
+
 def test_calls_of_methods_clients_name_are_counted_under_one_label():
     labels = {
         method: InferenceService._forwarded_as(method)[1]
