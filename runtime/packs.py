@@ -335,8 +335,9 @@ class Packs:
         pack.growth_charged.pop(model_id, None)
         grown = pack.grown.pop(model_id, 0)
         started = pack.started.pop(model_id, set())
-        if not pack.charged and not pack.members:
-            await self._end(pack, f"its last model ({model_id}) is unloaded", grace=CALLS_GRACE_SECONDS)
+        if not pack.charged and not pack.members:  # its calls get the grace they get beside others
+            await calls_answered(pack.worker, model_id, CALLS_GRACE_SECONDS)
+            await self._end(pack, f"its last model ({model_id}) is unloaded", CALLS_GRACE_SECONDS, model_id)
             return
         if pack.abandoned:  # a load given up may still run in the pack
             await self.repacker.recycle(pack, f"the load of {model_id} was abandoned")
@@ -361,11 +362,12 @@ class Packs:
         if reason := _left_behind(model_id, started, before - memory.anonymous(worker.pid), grown):
             await self.repacker.recycle(pack, reason)
 
-    async def _end(self, pack: Pack, reason: str, grace: float = 0.0) -> None:
+    async def _end(self, pack: Pack, reason: str, grace: float = 0.0, unloaded: str = "") -> None:
         """Kills a pack that holds nothing any more once it answered the calls sent to it (one left to a
-        load owes the moved models'), `grace` after SIGTERM (close()); returns once it is reaped."""
+        load owes the moved models'; the `unloaded` model's had their grace), `grace` after SIGTERM
+        (close()); returns once it is reaped."""
         self.retire(pack)
-        await drain(pack.worker)
+        await drain(pack.worker, lambda: any(model_id != unloaded for model_id in pack.worker.calls))
         self.pool.kill(pack.worker, KillCause.UNLOAD, reason, grace)
         await asyncio.shield(pack.worker.exited)
 

@@ -555,6 +555,19 @@ def test_an_unload_waits_for_a_stuck_call_only_through_the_grace_and_the_pack_se
         assert answers(rt, "neighbour")
 
 
+def test_an_unload_of_a_packs_last_model_waits_for_a_stuck_call_only_through_the_grace():
+    with packed() as rt:
+        rt.load("stuck", rt.model_dir("stuck", STUCK_CALL_MODEL))
+        call = concurrent.futures.ThreadPoolExecutor(1).submit(answers, rt, "stuck")
+        wait_until(lambda: busy_in(rt, "stuck"), timeout=10, what="the call under way in the pack")
+        started = time.monotonic()
+        rt.unload("stuck")
+        # The grace for its calls, then for its close(): as beside other models, or in a worker of its own.
+        assert time.monotonic() - started < 2 * packs.CALLS_GRACE_SECONDS + 1
+        with pytest.raises(grpc.RpcError):
+            call.result(timeout=60)
+
+
 # Writes "closed" in its folder as close() begins; with the file "hang" there, close() never ends.
 CLOSING_MODEL = """
     import os, time
