@@ -153,8 +153,11 @@ def _named_policies(process: psutil.Process) -> list[tuple[int, str, int]]:
     """(thread id, the kernel's name for it, its scheduling policy) for every thread."""
     named = []
     for thread in process.threads():
-        with open(f"/proc/{process.pid}/task/{thread.id}/comm") as comm:
-            named.append((thread.id, comm.read().strip(), os.sched_getscheduler(thread.id)))
+        try:  # threads come and go (grpc's, the executors', a fork's timer): one may end meanwhile
+            with open(f"/proc/{process.pid}/task/{thread.id}/comm") as comm:
+                named.append((thread.id, comm.read().strip(), os.sched_getscheduler(thread.id)))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
     return named
 
 
