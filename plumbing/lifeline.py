@@ -36,8 +36,6 @@ def die_with_parent(expected_parent: int | None, signum: int = signal.SIGKILL) -
 # own copy to tell whether its parent is the process it was forked from (see below).
 _forked_by: int | None = None
 _forked_by_main_thread = True
-# The process that called children_die_with_this_process(): a worker, the leader of its own group.
-_group_leader: int | None = None
 
 
 def _note_forking_process() -> None:
@@ -49,19 +47,13 @@ def _note_forking_process() -> None:
 def _die_with_the_forking_process() -> None:
     # Linux sends the signal when the *thread* that forked ends: a helper a model starts from a
     # thread of its own would die with that thread. Those are left to the group kill below.
-    if not _forked_by_main_thread:
-        return
-    # Below a helper, in the worker's group: the group kill reaches it, and a daemon started the
-    # old way (fork, fork again, the middle process exits at once) must outlive its middle.
-    if _forked_by != _group_leader and os.getpgrp() == _group_leader:
-        return
-    die_with_parent(_forked_by)
+    if _forked_by_main_thread:
+        die_with_parent(_forked_by)
 
 
 def children_die_with_this_process() -> None:
     """Every process forked from here on by the main thread (by os.fork: multiprocessing's fork
-    context, say), and those they fork in turn outside this process's group (it leads one), gets
-    SIGKILL when the one that forked it dies.
+    context, say), and those they fork in turn, gets SIGKILL when the one that forked it dies.
 
     A worker's model may start helper processes; without this, killing the
     worker for an unload left them running with their memory, and one that
@@ -71,8 +63,6 @@ def children_die_with_this_process() -> None:
     process group for those (runtime/worker.py), and a worker that exits by
     itself kills its children (kill_children()).
     """
-    global _group_leader
-    _group_leader = os.getpid()
     os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_the_forking_process)
 
 

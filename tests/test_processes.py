@@ -627,46 +627,6 @@ def test_a_helper_forked_from_a_thread_that_ends_lives_on_and_still_ends_with_it
         wait_until(lambda: not alive([helper]), timeout=10, what="the helper to end with its worker")
 
 
-# Starts a daemon the old way, without leaving its worker's process group: fork, fork again, and
-# the middle process exits at once.
-DOUBLE_FORK_MODEL = """
-    import os, time
-
-    class Model:
-        def __init__(self, path):
-            read, write = os.pipe()
-            middle = os.fork()
-            if middle == 0:
-                daemon = os.fork()
-                if daemon == 0:
-                    time.sleep(600)
-                    os._exit(0)
-                os.write(write, str(daemon).encode())
-                os._exit(0)
-            os.waitpid(middle, 0)
-            with open(os.path.join(path, "daemon.pid"), "w") as f:
-                f.write(os.read(read, 32).decode())
-
-        def predict(self, inputs):
-            return dict(inputs)
-"""
-
-
-def test_a_daemon_whose_middle_process_exits_lives_on_and_still_ends_with_its_worker():
-    with Runtime() as runtime:
-        folder = runtime.model_dir("daemonised", DOUBLE_FORK_MODEL)
-        runtime.load("daemonised", folder)
-        daemon = psutil.Process(_pids_in(folder, "daemon.pid")[0])
-        time.sleep(0.3)  # a parent-death signal tied to the middle process would have come by now
-        assert alive([daemon]), "the daemon died with the process that forked it"
-        runtime.unload("daemonised")
-        wait_until(lambda: not alive([daemon]), timeout=10, what="the daemon to end with its worker")
-        runtime.load("daemonised", folder)
-        daemon = psutil.Process(_pids_in(folder, "daemon.pid")[0])
-        os.kill(runtime.worker_for("daemonised").pid, signal.SIGKILL)  # the OOM killer, say
-        wait_until(lambda: not alive([daemon]), timeout=10, what="the daemon to end with its killed worker")
-
-
 def test_runtime_socket_path_serves_refuses_a_second_front_and_is_bound_over_once_stale(tmp_path):
     path = str(tmp_path / "mesh.sock")
     with Runtime(RUNTIME_SOCKET_PATH=path) as first:
