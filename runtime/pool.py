@@ -287,10 +287,12 @@ class WorkerPool:
         return starting or self._spares.of_another(group) is not None
 
     def _make_room_for(self, group: str) -> None:
-        """At the cap, with a caller waiting for one of `group`: ends an idle spare of another group."""
+        """At the cap, with callers waiting for one of `group`: ends an idle spare of another group."""
         other = self._spares.of_another(group) if self._spares.waiting(group) else None
-        if other is not None:
-            self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
+        if other is None:  # refused as take() refuses them: no reap may come to end their wait
+            error = status.out_of_workers(self.settings.workers_max, self._os_limit_reached())
+            return self._spares.fail_waiters(group, error)
+        self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
 
     async def _spawn_one(self, group: str) -> bool:
         """Forks one worker of `group`'s fork server; whether it said hello."""

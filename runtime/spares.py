@@ -62,11 +62,14 @@ class Spares:
     def note_failed_starts(self, group: str, failures: int) -> None:
         """`failures` workers of `group` in a row did not start: past the limit, every caller in
         line for one gets UNAVAILABLE."""
-        if failures < FAILED_STARTS_BEFORE_GIVING_UP:
-            return
+        if failures >= FAILED_STARTS_BEFORE_GIVING_UP:
+            self.fail_waiters(group, status.workers_do_not_start(group, failures))
+
+    def fail_waiters(self, group: str, error: Exception) -> None:
+        """Every caller in line for a spare of `group` gets `error`."""
         for wanted, waiter in self._waiters:
             if wanted == group and not waiter.done():
-                waiter.set_exception(status.workers_do_not_start(group, failures))
+                waiter.set_exception(error)
 
     def alive(self) -> list[Worker]:
         return [worker for idle in self._idle.values() for worker in idle if worker.alive]

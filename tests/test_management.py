@@ -508,6 +508,22 @@ def test_workers_max_refuses_a_load_beyond_the_cap():
         runtime.unload("second")
 
 
+def test_loads_waiting_together_for_the_last_worker_the_cap_allows_are_refused_at_once_but_one():
+    # Each found room when it asked; the refill forks the one worker left, then stops at the cap:
+    # the other waited for a reap (LOADTIME_TIMEOUT, said as a load that ran too long).
+    with Runtime(WORKERS_WARM="1", WORKERS_MAX="2", LOADTIME_TIMEOUT="30000") as runtime:
+        folder = runtime.model_dir("echo")
+        started = time.monotonic()
+        loads = [runtime.load_future(model_id, folder) for model_id in ("a", "b", "c")]
+        errors = [load.exception(timeout=60) for load in loads]
+        assert time.monotonic() - started < 10, errors
+        assert sorted(error.code().name if error else "OK" for error in errors) == [
+            "OK",
+            "OK",
+            "RESOURCE_EXHAUSTED",
+        ]
+
+
 @pytest.mark.parametrize("per_worker", ["1", "4"], ids=["own-workers", "packs"])
 def test_under_workers_max_the_sizes_fill_the_capacity_as_the_workers_run_out(per_worker):
     # model-mesh knows no limit but memory: had the sizes stayed small, it would see a pod nearly
