@@ -386,7 +386,7 @@ class WorkerPool:
         assert pid is not None  # _spawn_one watches the sentinel only once the pid is set
         process.join(timeout=5)
         code = process.exitcode
-        worker.oom_killed = self._oom_kills.rose() and code == -signal.SIGKILL and worker.kill_cause is None
+        worker.oom_killed = self._oom_kills.claim(code == -signal.SIGKILL and worker.kill_cause is None)
         if code is not None:
             process.close()
         self.registry.remove(pid, worker.pid_identity)

@@ -23,9 +23,20 @@ def test_the_count_of_a_v2_cgroup_is_read_and_a_rise_seen_once(tmp_path):
     _write(tmp_path / "self", "0::/kubepods/pod1\n")
     kills = oomkills.OomKills(str(tmp_path / "self"), str(tmp_path / "root"))
     assert kills.path == str(events)
-    assert not kills.rose()
+    assert not kills.claim(True)
     _write(events, "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n")
-    assert kills.rose() and not kills.rose()
+    assert kills.claim(True) and not kills.claim(True)
+
+
+def test_each_kill_is_put_down_to_one_worker_killed_by_no_one_else(tmp_path):
+    events = tmp_path / "root" / "memory.events"
+    _write(events, "oom_kill 0\n")
+    _write(tmp_path / "self", "0::/\n")
+    kills = oomkills.OomKills(str(tmp_path / "self"), str(tmp_path / "root"))
+    _write(events, "oom_kill 2\n")  # two workers killed together, reaped one after the other
+    assert kills.claim(True) and kills.claim(True) and not kills.claim(True)
+    _write(events, "oom_kill 3\n")  # a worker the front killed is reaped before the one killed for memory
+    assert not kills.claim(False) and kills.claim(True)
 
 
 def test_a_v1_memory_cgroup_is_found_among_the_other_controllers(tmp_path):
