@@ -261,7 +261,7 @@ class WorkerPool:
 
     async def _refill(self) -> None:
         """Forks workers until every fork server's spares (plus anyone waiting for one) are covered."""
-        failures = 0
+        failures: collections.Counter[str] = collections.Counter()  # in a row, by fork server
         while not self._closing:
             group = self._spares.group_short(self._starting)
             if group is None:
@@ -270,14 +270,14 @@ class WorkerPool:
                 self._make_room_for(group)
                 return
             try:
-                failures = 0 if await self._spawn_one(group) else failures + 1
+                failures[group] = 0 if await self._spawn_one(group) else failures[group] + 1
             except Exception:
                 log.exception("could not start a worker of the %s fork server", group)
-                failures += 1
-            if failures:  # workers that die at start must not be forked again and again at once
-                delay = min(SPAWN_BACKOFF_CAP_SECONDS, SPAWN_RETRY_SECONDS * 2 ** (failures - 1))
-                log.error("%d workers in a row did not start; the next in %.0f s", failures, delay)
-                self._spares.note_failed_starts(group, failures)
+                failures[group] += 1
+            if failed := failures[group]:  # workers that die at start must not be forked again at once
+                delay = min(SPAWN_BACKOFF_CAP_SECONDS, SPAWN_RETRY_SECONDS * 2 ** (failed - 1))
+                log.error("%d workers in a row did not start; the next in %.0f s", failed, delay)
+                self._spares.note_failed_starts(group, failed)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._closed.wait(), delay)
 
@@ -291,7 +291,7 @@ class WorkerPool:
         other = self._spares.of_another(group) if self._spares.waiting(group) else None
         if other is None:  # refused as take() refuses them: no reap may come to end their wait
             error = status.out_of_workers(self.settings.workers_max, self._os_limit_reached())
-            return self._spares.fail_waiters(group, error)
+            return self._spares.fail_waiters(group, error, served=self._starting[group])
         self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
 
     async def _spawn_one(self, group: str) -> bool:

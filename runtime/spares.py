@@ -65,10 +65,16 @@ class Spares:
         if failures >= FAILED_STARTS_BEFORE_GIVING_UP:
             self.fail_waiters(group, status.workers_do_not_start(group, failures))
 
-    def fail_waiters(self, group: str, error: Exception) -> None:
-        """Every caller in line for a spare of `group` gets `error`."""
+    def fail_waiters(self, group: str, error: Exception, served: int = 0) -> None:
+        """Every caller in line for a spare of `group` gets `error`, but the first `served` (as many
+        as workers on their way will serve) and as many as there are idle spares of `group`."""
+        keep = served + len(self._idle.get(group, ()))
         for wanted, waiter in self._waiters:
-            if wanted == group and not waiter.done():
+            if wanted != group:
+                continue
+            if keep > 0:
+                keep -= 1
+            elif not waiter.done():
                 waiter.set_exception(error)
 
     def alive(self) -> list[Worker]:
