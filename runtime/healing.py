@@ -110,15 +110,11 @@ class Healer:
                 continue
             try:
                 worker = await self.supervisor.take_worker(model)
-            except status.RpcError as error:  # WORKERS_MAX: no process to heal into
-                log.error(
-                    "dropping %s: cannot heal it: %s",
-                    model.model_id,
-                    error.message,
-                    extra={"model_id": model.model_id},
-                )
-                self.supervisor.discard(model)
-                return
+            except status.RpcError as error:  # WORKERS_MAX, or workers that do not start
+                if not self._keeps_serving_without(model, error):
+                    return
+                await asyncio.sleep(HEAL_BACKOFF_CAP_SECONDS)
+                continue
             try:
                 async with asyncio.timeout(self.settings.loadtime_timeout / 1000):
                     reply = await self.supervisor.send_load(model, worker)
@@ -139,6 +135,28 @@ class Healer:
                     f"reload failed: {reply.get('message', 'its worker died')}",
                 )
                 await asyncio.shield(worker.exited)
+
+    def _keeps_serving_without(self, model: Model, error: status.RpcError) -> bool:
+        """No worker to heal into: a model whose other replicas serve goes on with them (tried again
+        later), one with none is dropped, for model-mesh to place elsewhere."""
+        if model.workers:
+            log.warning(
+                "%s serves on %d of its %d replicas: cannot heal the others now (%s); trying again",
+                model.model_id,
+                len(model.workers),
+                self.settings.model_replicas,
+                error.message,
+                extra={"model_id": model.model_id},
+            )
+            return True
+        log.error(
+            "dropping %s: cannot heal it: %s",
+            model.model_id,
+            error.message,
+            extra={"model_id": model.model_id},
+        )
+        self.supervisor.discard(model)
+        return False
 
     async def _heal_into_a_pack(self, model: Model) -> None:
         """One replica of a packed model reloaded into a pack; a failure counts as a crash.

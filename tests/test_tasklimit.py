@@ -108,3 +108,26 @@ def test_a_fork_the_kernel_refuses_fails_that_start_alone_and_the_fork_server_li
         log = rt.log()
     assert "cannot fork a worker: [Errno 11]" in log, log
     assert "fork server died" not in log and "healing" not in log, log
+
+
+def test_a_model_whose_heal_finds_no_worker_serves_on_its_other_replicas_and_heals_later(tmp_path):
+    refuse = tmp_path / "refuse-forks"
+    meshtest = os.path.join(REPO, "meshtest")
+    env = {"WORKER_PRELOAD": "numpy,fork_fails", "PYTHONPATH": meshtest, "MESH_TEST_FORK_FAILS": str(refuse)}
+    with Runtime(WORKERS_WARM="0", MODEL_REPLICAS="2", **env) as rt:
+        rt.load("twice", rt.model_dir("twice"))
+
+        def replicas():
+            return [p for p in rt.workers() if "model=twice" in " ".join(p.cmdline())]
+
+        assert len(replicas()) == 2
+        refuse.touch()
+        replicas()[0].kill()
+        wait_until(
+            lambda: "twice serves on 1 of its 2 replicas" in rt.log(), timeout=20, what="the heal to give up"
+        )
+        assert "dropping twice" not in rt.log()
+        assert rt.infer_fp32("twice", [1.0]).outputs[0].name == "x"
+        refuse.unlink()
+        wait_until(lambda: len(replicas()) == 2, timeout=30, what="the second replica to heal")
+        assert rt.infer_fp32("twice", [1.0]).outputs[0].name == "x"
