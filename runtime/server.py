@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from collections.abc import Callable
@@ -245,12 +246,21 @@ async def start_grpc_server(
             server.add_insecure_port(f"[::]:{settings.runtime_port}")
             if path:
                 server.add_insecure_port(f"unix:{path}")
+                open_to_other_users(path)
         except RuntimeError as error:
             where = f" or unix:{path}" if path else ""
             log.error("cannot listen on port %d%s: %s", settings.runtime_port, where, error)
             return None
         await server.start()
     return server
+
+
+def open_to_other_users(path: str) -> None:
+    """Lets every user connect to the socket at path. grpc makes it as the umask says (0755 under
+    the usual 022), and connecting needs write permission: model-mesh, in a container of its own
+    that runs under another uid (its image's is 2000), was refused and waited out its 180 s start.
+    The port it stands for is open to every user of the pod's network already."""
+    os.chmod(path, 0o666)
 
 
 def own_entries(settings: Settings) -> tuple[str, ...]:

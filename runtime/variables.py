@@ -82,7 +82,8 @@ VARIABLES: tuple[Variable, ...] = (
         "RUNTIME_SOCKET_PATH",
         parse.absolute_path,
         None,
-        "also listen on this unix socket (for `unix:` endpoints)",
+        "also listen on this unix socket (for `unix:` endpoints), mode 0666: model-mesh connects "
+        "under its own uid",
     ),
     Variable(
         "RUNTIME_DIR",

@@ -645,6 +645,13 @@ def test_runtime_socket_path_serves_refuses_a_second_front_and_is_bound_over_onc
     assert not os.path.exists(path)
 
 
+def test_runtime_socket_path_lets_model_mesh_connect_under_another_uid(tmp_path):
+    # model-mesh's container runs under a uid of its own; connecting needs write permission.
+    path = str(tmp_path / "mesh.sock")
+    with Runtime(RUNTIME_SOCKET_PATH=path):
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o022 == 0o022, oct(os.stat(path).st_mode)
+
+
 @pytest.mark.slow  # waits out the workers' exits (10 s) and the fork server's stop (5 s)
 def test_a_front_stops_cleanly_though_its_fork_server_is_stopped():
     with Runtime() as runtime:
