@@ -32,7 +32,7 @@ class Pack:
         self.started: dict[str, set[Identity]] = {}
         self.lock = asyncio.Lock()  # one load or drop at a time: each is measured before and after
         self.open = True  # takes new models; False once it is recycled, emptied, dead or left to a load
-        self.abandoned = False  # a load was given up while the pack may still run it
+        self.abandoned = ""  # the model whose load was given up while the pack may still run it
         self.left_to: Model | None = None  # its others moved out while this one's load ran long
         self.left_behind: set[str] = set()  # ids of models that moved out, still held until that load is in
         self.left = asyncio.Event()  # set once it is left to that load
@@ -41,10 +41,10 @@ class Pack:
         self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
         self.last_loaded_at = 0.0
 
-    def give_up_load(self) -> None:
-        """A load was given up on while the pack may still run it: no other load goes there
-        meanwhile (it would wait that load out), and the model's unload recycles the pack."""
-        self.abandoned = True
+    def give_up_load(self, model_id: str) -> None:
+        """The model's load was given up on while the pack may still run it: no other load goes
+        there meanwhile (it would wait that load out), and the next unload from it recycles the pack."""
+        self.abandoned = model_id
         self.open = False
 
     def preference(self, now: float) -> tuple[bool, bool, int]:

@@ -234,7 +234,7 @@ class Packs:
             try:
                 await asyncio.wait_for(self.pool.send_drop(pack.worker, model.model_id), CALLS_GRACE_SECONDS)
             except TimeoutError:  # its close() does not end: alone, it is killed 2 s into an unload
-                pack.give_up_load()
+                pack.give_up_load(model.model_id)
                 return {"ok": False, "error": protocol.ERROR_LOAD, "message": "its close() did not end"}
             cost = await asyncio.to_thread(memory.cost_or_zero, pack.worker.pid)
             pack.base_bytes = cost + memory.FRONT_SHARE_BYTES
@@ -247,7 +247,7 @@ class Packs:
         try:
             return await self.pool.send_load(pack.worker, model_id, spec.format.name, spec.path, pack=True)
         except asyncio.CancelledError:
-            pack.give_up_load()  # the worker may still be loading it
+            pack.give_up_load(model_id)  # the worker may still be loading it
             raise
 
     async def _failed(self, pack: Pack, model: Model, reply: dict, left: int) -> tuple[dict, int]:
@@ -340,7 +340,7 @@ class Packs:
             await self._end(pack, f"its last model ({model_id}) is unloaded", CALLS_GRACE_SECONDS, model_id)
             return
         if pack.abandoned:  # a load given up may still run in the pack
-            await self.repacker.recycle(pack, f"the load of {model_id} was abandoned")
+            await self.repacker.recycle(pack, f"the load of {pack.abandoned} was abandoned")
             return
         if charged is None:  # its load was never sent, or failed and was cleaned up then
             return

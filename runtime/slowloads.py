@@ -80,7 +80,7 @@ async def send_load_beside_others(packs: Packs, pack: Pack, model: Model) -> dic
         return await load
     except BaseException:
         # Given up on (cancelled), even as the reply came: the pack may hold the model, or still load it.
-        pack.give_up_load()
+        pack.give_up_load(model.model_id)
         load.cancel()
         if load.done() and not load.cancelled():
             load.exception()  # seen: the caller's cancellation is what it raises

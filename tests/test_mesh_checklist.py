@@ -89,6 +89,7 @@ def test_restart_purge_with_packs_and_a_load_in_flight(mesh):
     status = mesh.mesh.runtimeStatus(mm.RuntimeStatusRequest(), timeout=60)
     assert status.status == mm.RuntimeStatusResponse.READY
     assert loading.exception(timeout=10).code() == grpc.StatusCode.CANCELLED
+    assert not any(f"the load of {model_id} was abandoned" in mesh.log() for model_id in ids), mesh.log()
     for model_id in [*ids, "loading"]:
         expect_status(grpc.StatusCode.NOT_FOUND, mesh.infer_fp32, model_id, [1.0])
     assert mesh.packs() == [] and mesh.model_workers() == 0
