@@ -35,7 +35,9 @@ import os
 import time
 from collections.abc import Callable
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+from runtime import cgroups
+
+CGROUP_ROOT = cgroups.CGROUP_ROOT
 
 # A turn after which the loop's thread had used less CPU than this found the
 # loop with nothing else to do. An idle turn takes 2-10 µs of CPU; a turn that
@@ -98,43 +100,16 @@ def describe(window_us: int, cgroup_root: str = CGROUP_ROOT) -> str:
     )
 
 
-def cpu_quota_cores(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> float | None:
+def cpu_quota_cores(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> float | None:
     """The tightest CPU quota of this process's cgroup and those above it, in cores; None if none.
 
     cgroup v2: cpu.max ("max 100000" or "QUOTA PERIOD"); v1: cpu.cfs_quota_us (-1: none) over
     cpu.cfs_period_us, in the cpu controller's hierarchy.
     """
-    try:
-        with open(self_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
     quotas = []
-    for line in lines:
-        fields = line.split(":", 2)
-        if len(fields) != 3:  # not a cgroup line: nothing to learn from it
-            continue
-        _, controllers, path = fields
-        if controllers == "":
-            quotas += _quotas_up(os.path.join(cgroup_root, path.lstrip("/")), cgroup_root, _v2_quota)
-        elif "cpu" in controllers.split(","):
-            hierarchy = os.path.join(cgroup_root, controllers)
-            if not os.path.isdir(hierarchy):
-                hierarchy = os.path.join(cgroup_root, "cpu")
-            quotas += _quotas_up(os.path.join(hierarchy, path.lstrip("/")), hierarchy, _v1_quota)
+    for member in cgroups.memberships("cpu", cgroup_root, self_cgroup):
+        quotas += cgroups.read_up(member, _v2_quota if member.v2 else _v1_quota)
     return min(quotas, default=None)
-
-
-def _quotas_up(folder: str, top: str, read: Callable[[str], float | None]) -> list[float]:
-    """The quotas read in `folder` and each folder above it up to `top`."""
-    found = []
-    while True:
-        quota = read(folder)
-        if quota is not None:
-            found.append(quota)
-        if os.path.normpath(folder) == os.path.normpath(top) or len(folder) <= len(top):
-            return found
-        folder = os.path.dirname(folder)
 
 
 def _v2_quota(folder: str) -> float | None:

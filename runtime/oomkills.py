@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import time
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+from runtime import cgroups
+
+CGROUP_ROOT = cgroups.CGROUP_ROOT
 MACHINE_COUNT = "/proc/vmstat"
 _KEY = "oom_kill"
 # How long a kill counted waits to be claimed: the reap of the worker it ended comes at once, unless
@@ -28,7 +30,7 @@ class OomKills:
     """The OOM kill count of the cgroup this process is in (else of the machine), as last read, and
     the kills counted lately that no worker's death was put down to yet."""
 
-    def __init__(self, self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = CGROUP_ROOT):
+    def __init__(self, self_cgroup: str = cgroups.SELF_CGROUP, cgroup_root: str = CGROUP_ROOT):
         self.path = counter_path(self_cgroup, cgroup_root)
         self._seen = read_count(self.path)
         self._unclaimed: list[float] = []  # when each was counted (time.monotonic())
@@ -50,21 +52,11 @@ class OomKills:
         return True
 
 
-def counter_path(self_cgroup: str = "/proc/self/cgroup", cgroup_root: str = CGROUP_ROOT) -> str:
+def counter_path(self_cgroup: str = cgroups.SELF_CGROUP, cgroup_root: str = CGROUP_ROOT) -> str:
     """The file holding the OOM kill count of this process's memory cgroup, else the machine's."""
-    try:
-        with open(self_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return MACHINE_COUNT
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":  # v2: one hierarchy, counting the kills below it too
-            candidate = os.path.join(cgroup_root, path.lstrip("/"), "memory.events")
-        elif "memory" in controllers.split(","):
-            candidate = os.path.join(cgroup_root, "memory", path.lstrip("/"), "memory.oom_control")
-        else:
-            continue
+    for member in cgroups.memberships("memory", cgroup_root, self_cgroup):
+        # v2's counts the kills in the cgroups below too; v1's those of its own processes.
+        candidate = os.path.join(member.folder, "memory.events" if member.v2 else "memory.oom_control")
         if read_count(candidate) is not None:
             return candidate
     return MACHINE_COUNT

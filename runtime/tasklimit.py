@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+from runtime import cgroups
+
+CGROUP_ROOT = cgroups.CGROUP_ROOT
 
 # A worker's own tasks: its main thread, and ZeroMQ's I/O and reaper threads.
 TASKS_PER_WORKER = 3
@@ -25,50 +27,21 @@ TASKS_PER_WORKER = 3
 RESERVED_TASKS = 16
 
 
-def room_for_a_worker(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> bool:
+def room_for_a_worker(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> bool:
     """True unless a pids cgroup of this process, or one above it, is within a worker and the
     reserve of its pids.max."""
     left = tasks_left(cgroup_root, self_cgroup)
     return left is None or left >= TASKS_PER_WORKER + RESERVED_TASKS
 
 
-def tasks_left(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> int | None:
+def tasks_left(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> int | None:
     """The fewest tasks any pids cgroup of this process, or one above it, may still start; None
-    where none has a limit (or none can be read)."""
-    try:
-        with open(self_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
+    where none has a limit (or none can be read). A folder that is not there (a container that
+    sees only its own cgroup) is passed over."""
     left: list[int] = []
-    for line in lines:
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _, controllers, path = fields
-        if controllers == "":
-            top = cgroup_root
-        elif "pids" in controllers.split(","):
-            top = os.path.join(cgroup_root, controllers)
-            if not os.path.isdir(top):
-                top = os.path.join(cgroup_root, "pids")
-        else:
-            continue
-        left += _left_up(os.path.join(top, path.lstrip("/")), top)
+    for member in cgroups.memberships("pids", cgroup_root, self_cgroup):
+        left += cgroups.read_up(member, _left_in)
     return min(left, default=None)
-
-
-def _left_up(folder: str, top: str) -> list[int]:
-    """pids.max - pids.current in `folder` and each folder above it up to `top`, where limited.
-    A folder that is not there (a container that sees only its own cgroup) is passed over."""
-    found = []
-    while True:
-        left = _left_in(folder)
-        if left is not None:
-            found.append(left)
-        if os.path.normpath(folder) == os.path.normpath(top) or len(folder) <= len(top):
-            return found
-        folder = os.path.dirname(folder)
 
 
 def _left_in(folder: str) -> int | None:

@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 from harness import REPO, Runtime, expect_status, status_of, wait_until
+from test_cpu_quota import self_cgroup
 
 from meshtest import cgroup
 from runtime import tasklimit
@@ -21,12 +22,6 @@ def write_tree(root, files: dict[str, str]) -> None:
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-
-
-def self_cgroup(tmp_path, text: str) -> str:
-    path = tmp_path / "self-cgroup"
-    path.write_text(text)
-    return str(path)
 
 
 def test_the_tightest_limit_of_the_cgroup_and_those_above_it_counts_v2(tmp_path):
