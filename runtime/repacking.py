@@ -357,9 +357,12 @@ class Repacker:
     async def _end(self, pack: Pack, reason: str, started: float, moved: int) -> None:
         """Once its calls are answered, kills a pack whose models moved out, and waits until it is
         reaped."""
-        # Owed: the calls of the models that moved that it has begun; those it has not are sent again
-        # where their models moved once it is killed (runtime/dispatch.py), not kept behind one that
-        # never ends. The unloaded model's are owed nothing.
+        # Owed: the calls of its models that it has begun; those it has not are sent again where their
+        # models moved once it is killed (runtime/dispatch.py), not kept behind one that never ends.
+        # The unloaded model's are owed nothing. A model that did not move takes no new call here
+        # (they wait for its heal): ever new calls would hold the pack, and the unload, DRAIN_SECONDS.
+        for model in pack.members.values():
+            model.replicas.remove(pack.worker)
         members, channel = set(pack.members), self.packs.pool.channel
         await drain(pack.worker, lambda: channel.owes_begun(pack.worker.identity, members))
         pack.open = False

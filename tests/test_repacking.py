@@ -186,3 +186,36 @@ def test_a_compaction_empties_a_pack_holding_a_model_whose_load_ran_long_only_if
     # covered by no size.
     lone_members, fuller_members, loading, killed, lone, _ = asyncio.run(scenario("lone+fuller"))
     assert fuller_members == ["alone", "f1", "f2"] and loading == ["alone"] and killed == [lone.worker]
+
+
+def test_a_recycle_ends_its_pack_without_waiting_on_new_calls_of_a_model_that_did_not_move():
+    async def scenario():
+        fresh = StandInWorker("F", WorkerState.SPARE)
+        fresh.refused = {"stays"}  # it cannot load in the fresh pack: it stays, and heals
+        pool = StandInPool(fresh)
+        pack_set = packs.Packs(Settings.from_env({"MODELS_PER_WORKER": "4"}), pool)
+        old = pack_set.new_pack(StandInWorker("O"), "python")
+        old.base_bytes = 1
+        moves, stays = ready_model("moves"), ready_model("stays")
+        holding(old, moves, stays)
+        offered = []  # whether the old pack could still take a call of "stays", each time one ended
+
+        async def steady_calls() -> None:  # one ends and the next comes, while the old pack takes them
+            while old.worker.alive:
+                offered.append(old.worker in stays.replicas.workers)
+                old.worker.calls["stays"] = old.worker.in_flight = int(offered[-1])
+                await asyncio.sleep(0.01)
+
+        calls = asyncio.create_task(steady_calls())
+        await until(lambda: offered)
+        async with old.lock:
+            await asyncio.wait_for(pack_set.repacker.recycle(old, "a test"), worker.DRAIN_SECONDS / 2)
+        await calls
+        return pool, old, fresh, moves, stays, offered
+
+    pool, old, fresh, moves, stays, offered = asyncio.run(scenario())
+    assert pool.killed == [old.worker] and moves.workers == [fresh]
+    assert list(old.members) == ["stays"] and stays.workers == [old.worker], (
+        "it heals once the pack is reaped"
+    )
+    assert not offered[-1], "its calls wait for the heal rather than go to the pack being ended"
