@@ -93,8 +93,10 @@ class Dispatcher:
                 reply, frames = await self._send(model, worker, method, request, deadline)
                 return worker, reply, frames
             except PeerGone as gone:
-                # A pack ended by a move, or left to a slow load and ended with it: the model is elsewhere.
-                moved = worker.kill_cause in _ENDED_AFTER_A_MOVE and not model.unload_requested
+                # A pack ended by a move, or left to a slow load and ended (or crashed) by it: the
+                # model is elsewhere.
+                elsewhere = worker.kill_cause in _ENDED_AFTER_A_MOVE or model.model_id in worker.moved_out
+                moved = elsewhere and not model.unload_requested
                 if gone.begun or not moved or not sends_left:
                     raise _CallLost(worker, gone) from None
         raise AssertionError("the last send returns or raises")

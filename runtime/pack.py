@@ -75,6 +75,7 @@ def switch(model: Model, old: Worker, new: Worker) -> None:
         return
     if old in model.workers:
         model.workers.remove(old)
+        old.moved_out.add(model.model_id)  # a call it never begins goes to `new` if it dies
     model.workers.append(new)
     model.replicas.add(new)
     model.replicas.remove(old)

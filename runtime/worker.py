@@ -110,6 +110,7 @@ class Worker:
         self.started = time.monotonic()
         self.in_flight = 0  # calls sent and not answered yet
         self.calls: dict[str, int] = {}  # of those, per model id (none: absent)
+        self.moved_out: set[str] = set()  # models whose calls went to another pack while it served them
         self.running: frozenset[str] = frozenset()  # models with calls in it when it died
         # What its main thread ran when it died: a model_tag() or NOTHING_RUNNING (packs only).
         self.last_running = protocol.NOTHING_RUNNING

@@ -27,6 +27,7 @@ class StandInWorker:
         self.held: set[str] = set()  # what the process would hold
         self.in_flight = 0
         self.calls: dict[str, int] = {}
+        self.moved_out: set[str] = set()
         self.running: frozenset[str] = frozenset()
         self.kill_cause = None
         self.exited = asyncio.get_running_loop().create_future()

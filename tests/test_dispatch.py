@@ -13,6 +13,7 @@ from runtime.channel import PeerGone
 from runtime.dispatch import Dispatcher, spliced
 from runtime.model import Model, ModelState
 from runtime.modelspec import ModelSpec
+from runtime.pack import switch
 from runtime.pool import WorkerPool
 from runtime.settings import Settings
 from runtime.worker import IllegalTransition, KillCause, Worker, WorkerState
@@ -217,6 +218,23 @@ def test_a_call_as_the_model_is_unloaded_is_not_found():
 
     outcome, _, _ = run(scenario())
     assert outcome.code is grpc.StatusCode.NOT_FOUND
+
+
+def test_a_call_its_pack_had_not_begun_goes_where_its_model_moved_when_the_pack_crashes():
+    async def scenario():
+        old, new = serving_worker("old"), serving_worker("new")
+        model, pool = ready_model(old), FakePool()
+        call = asyncio.ensure_future(dispatcher_for(model, pool).call("m", "x/y", b"r", None))
+        await asyncio.sleep(0)
+        switch(model, old, new)  # a load running long in the old pack moved the model out
+        old.change_state(WorkerState.EXITED)  # that load crashed the pack, before it began the call
+        pool.replies[0].set_exception(PeerGone(-9, begun=False))
+        await asyncio.sleep(0)
+        pool.replies[1].set_result(({"ok": True}, [b"body"]))
+        return await asyncio.wait_for(call, 1), pool
+
+    response, pool = run(scenario())
+    assert response == b"body" and [sent[0].identity for sent in pool.sent] == [b"old", b"new"]
 
 
 def test_a_call_whose_worker_is_reaped_before_its_turn_in_line_comes_fails_instead_of_waiting():
