@@ -284,7 +284,7 @@ def test_front_gives_batching_workers_room_for_a_batch():
     assert slots_per_worker(threads=4, batch_max=8, batches_rows=True) == 4 + PIPELINE_DEPTH
 
 
-@pytest.mark.slow  # its runtime imports every framework
+@pytest.mark.slow  # its fork server imports sklearn
 def test_sklearn_calls_under_load_each_get_their_own_prediction(tmp_path):
     """64 concurrent calls of different rows against a real iris LogisticRegression."""
     pytest.importorskip("sklearn")
@@ -297,7 +297,8 @@ def test_sklearn_calls_under_load_each_get_their_own_prediction(tmp_path):
     estimator = LogisticRegression(max_iter=1000).fit(features, labels)
     rows = features[::2][:64].astype(np.float32)
     expected = estimator.predict(rows)
-    with Runtime(WORKERS_WARM="1", preload_frameworks=True) as rt:
+    # sklearn's fork server, as in production; the other frameworks' would only cost the start.
+    with Runtime(WORKERS_WARM="1", WORKER_PRELOAD="numpy,sklearn") as rt:
         path = f"{rt.models}/iris-batch"
         os.makedirs(path)
         joblib.dump(estimator, f"{path}/model.joblib")
