@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -13,13 +14,20 @@ from protos import model_runtime_pb2 as mm
 OK = grpc.StatusCode.OK
 
 
+def logged_at(log: str, text: str) -> float:
+    """When the first log line holding `text` was written (its asctime, in seconds)."""
+    line = next(line for line in log.splitlines() if text in line)
+    return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def test_workers_that_die_at_start_are_forked_again_only_after_a_growing_pause_and_sigterm_still_stops_it():
     meshtest = os.path.join(REPO, "meshtest")
     rt = Runtime(WORKER_PRELOAD="numpy,die_at_fork", PYTHONPATH=meshtest, WORKERS_WARM="1")
     rt.start(wait_ready=False)
     try:
-        time.sleep(6)  # pauses of 1, 2 and 4 s: three failed starts, not hundreds
-        rt.terminate()  # SIGKILL after 30 s if it does not act on SIGTERM
+        # Pauses of 1, 2 and 4 s: the third failed start comes 3 s after the first, not hundreds.
+        wait_until(lambda: "3 workers in a row" in rt.log(), timeout=30, what="the third failed start")
+        rt.terminate()  # in the 4 s pause; SIGKILL after 30 s if it does not act on SIGTERM
         log = rt.log()
     finally:
         rt.stop()
@@ -27,6 +35,10 @@ def test_workers_that_die_at_start_are_forked_again_only_after_a_growing_pause_a
     assert 2 <= failures <= 4, log[-2000:]
     assert "1 workers in a row did not start; the next in 1 s" in log
     assert "2 workers in a row did not start; the next in 2 s" in log
+    assert "3 workers in a row did not start; the next in 4 s" in log
+    # Each pause was waited out: the failures' log lines lie at least 1 s, then 2 s, apart.
+    first, second, third = (logged_at(log, f"{n} workers in a row did not start") for n in (1, 2, 3))
+    assert second - first >= 0.99 and third - second >= 1.99, (first, second, third)
     # SIGTERM stopped it although its pool was never ready.
     assert rt.process is not None and rt.process.returncode == 0, log[-2000:]
     assert "stopped before the worker pool was ready" in log
