@@ -108,17 +108,24 @@ def test_capacity_too_small_for_mesh_answers_failing():
         runtime.stop()
 
 
-@pytest.mark.slow  # waits out a 3 s import
-def test_starting_until_the_pool_is_ready():
-    # tests/slow_import_for_tests.py takes 3 s to import in the fork server,
-    # which holds the pool (and so READY) back while the server already answers.
-    runtime = Runtime(WORKER_PRELOAD="numpy,slow_import_for_tests", PYTHONPATH=os.path.dirname(__file__))
+def test_starting_until_the_pool_is_ready(tmp_path):
+    # tests/slow_import_for_tests.py holds its import in the fork server until the gate file
+    # exists, which holds the pool (and so READY) back while the server already answers.
+    gate = tmp_path / "import-gate"
+    runtime = Runtime(
+        WORKER_PRELOAD="numpy,slow_import_for_tests",
+        PYTHONPATH=os.path.dirname(__file__),
+        MESH_TEST_IMPORT_GATE=str(gate),
+    )
     runtime.start(wait_ready=False)
     try:
         first = wait_until(lambda: _status_answer(runtime), timeout=30, what="a runtimeStatus answer")
         assert first == ("answer", mm.RuntimeStatusResponse.STARTING)
+        assert _status_answer(runtime) == ("answer", mm.RuntimeStatusResponse.STARTING)
+        gate.touch()
         runtime.wait_ready()
     finally:
+        gate.touch()
         runtime.stop()
 
 
