@@ -2,6 +2,7 @@
 the fork server gains no thread, and a warm-up that fails is reported without stopping it.
 """
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -88,10 +89,23 @@ def thread_counts(worker_threads: str, frameworks: str = "all") -> dict:
     return json.loads(sequence.stdout)
 
 
+def thread_counts_of(wanted: list[tuple[str, str]]) -> list[dict]:
+    """thread_counts(worker_threads, frameworks) of each pair, two interpreters at a time: each
+    spends seconds importing, on one core; the counts are each interpreter's own."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda pair: thread_counts(*pair), wanted))
+
+
+@pytest.fixture(scope="module")
+def all_frameworks_thread_counts() -> dict[str, dict]:
+    """thread_counts(worker_threads) with every framework, by WORKER_THREADS."""
+    return dict(zip(["1", "2"], thread_counts_of([("1", "all"), ("2", "all")]), strict=True))
+
+
 # With more than one thread per call, OpenMP may start its pool, so warm-ups that run OpenMP loops skip them.
 @pytest.mark.parametrize("worker_threads", ["1", "2"])
-def test_warming_starts_no_thread(worker_threads):
-    counts = thread_counts(worker_threads)
+def test_warming_starts_no_thread(all_frameworks_thread_counts, worker_threads):
+    counts = all_frameworks_thread_counts[worker_threads]
     assert counts["after"] == counts["before"], counts
 
 
@@ -106,10 +120,11 @@ def test_each_fork_server_imports_one_framework_and_runs_only_the_threads_its_im
     pids = forkserver_pids(runtime)
     preload = default_preload()
     assert set(pids) == {forkserver.group_for(fmt, preload) for fmt in FORMAT_NAMES}
-    for group, pid in pids.items():
-        threads = len(os.listdir(f"/proc/{pid}/task"))
-        imported = "" if group == forkserver.BASE_GROUP else group.replace("+", ",")
-        assert threads == thread_counts("1", imported)["before"], group
+    threads = {group: len(os.listdir(f"/proc/{pid}/task")) for group, pid in pids.items()}
+    imported = ["" if group == forkserver.BASE_GROUP else group.replace("+", ",") for group in threads]
+    fresh = thread_counts_of([("1", frameworks) for frameworks in imported])
+    for (group, count), expected in zip(threads.items(), fresh, strict=True):
+        assert count == expected["before"], group
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
