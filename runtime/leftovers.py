@@ -2,7 +2,9 @@
 next front on the same RUNTIME_DIR can kill whatever an earlier one left (the
 folders for what each worker writes there are made here too); and
 the shared-memory blocks a worker's models left, unlinked once it is reaped
-(plumbing/shmblocks.py), or by the next front if this one is killed first.
+(plumbing/shmblocks.py), or by the next front if this one is killed first;
+and multiprocessing's temp folder ($TMPDIR/pymp-*, its fork servers' listener
+sockets), which multiprocessing removes only as the front exits normally.
 
 Each process is a file `pids/<pid>` holding its start time: a pid alone could
 by now belong to an unrelated process, a pid with the same start time cannot.
@@ -14,6 +16,7 @@ very RUNTIME_DIR (plumbing/titles.py), and leaves anything else alone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -23,10 +26,12 @@ import stat
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker
+from multiprocessing import util as multiprocessing_util
 
 import psutil
 
 from plumbing import lifeline, shmblocks, stacks, titles
+from runtime import rundir
 
 log = logging.getLogger("mesh.leftovers")
 
@@ -52,14 +57,20 @@ class ProcessRegistry:
             return
         path = os.path.join(self.folder, str(pid))
         try:
-            with open(
-                os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS, 0o600), "w"
-            ) as record:
-                record.write(repr(started))
+            _write_record(path, repr(started))
         except OSError as error:
             log.warning(
                 "pid %d is not recorded in %s (%s): a later front cannot clean it up", pid, path, error
             )
+
+    def record_temp_folder(self) -> None:
+        """Records multiprocessing's temp folder, for the next front to remove if this one is killed."""
+        path = multiprocessing_util.get_temp_dir()
+        record = os.path.join(self.runtime_dir, rundir.TEMP_FOLDER_RECORD)
+        try:
+            _write_record(record, path)
+        except OSError as error:  # a full disk: the folder may outlive a SIGKILL, nothing worse
+            log.warning("cannot record multiprocessing's temp folder %s: %s", path, error)
 
     def remove(self, pid: int, identity: lifeline.Identity | None = None) -> None:
         """Forgets a reaped process (its record, its stack dump), and unlinks the shared-memory blocks
@@ -100,7 +111,30 @@ class ProcessRegistry:
         dumps = os.path.dirname(stacks.stacks_path(self.runtime_dir, 0))
         for name in os.listdir(dumps):  # the stacks its workers wrote: none of ours yet
             _discard(os.path.join(dumps, name))
+        self._remove_temp_folder_left()
         return [p.pid for p in survivors]
+
+    def _remove_temp_folder_left(self) -> None:
+        """Removes the multiprocessing temp folder an earlier front recorded, if it is still there.
+
+        Only a folder of our uid named as multiprocessing names them: whoever could once write into
+        RUNTIME_DIR could have planted the record."""
+        record = os.path.join(self.runtime_dir, rundir.TEMP_FOLDER_RECORD)
+        try:
+            with open(os.open(record, os.O_RDONLY | _RECORD_FLAGS)) as f:
+                path = f.read()
+        except (OSError, ValueError):
+            return
+        try:
+            info = os.lstat(path)
+            if os.path.basename(path).startswith("pymp-") and stat.S_ISDIR(info.st_mode):
+                if info.st_uid == os.getuid():
+                    shutil.rmtree(path)
+                    log.info("removed %s, multiprocessing's temp folder of an earlier front", path)
+        except OSError as error:
+            if error.errno != errno.ENOENT:  # gone with a clean stop: nothing to say
+                log.warning("cannot remove an earlier front's temp folder %s: %s", path, error)
+        _discard(record)
 
     def _unlink_blocks_left(
         self, record: str, forget: Callable[[str], None], ending_group: int | None = None
@@ -162,6 +196,11 @@ class ProcessRegistry:
             )
             return False
         return True
+
+
+def _write_record(path: str, text: str) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _RECORD_FLAGS, 0o600), "w") as record:
+        record.write(text)
 
 
 def _discard(path: str) -> None:

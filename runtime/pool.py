@@ -88,6 +88,7 @@ class WorkerPool:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
         self.channel.start()
         await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.start_all)
+        self.registry.record_temp_folder()  # multiprocessing made it for their sockets
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
         # A stop before the spares are ready cancels only this wait; close() awaits the refill.

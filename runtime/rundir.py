@@ -38,7 +38,9 @@ MAX_SOCKET_PATH = 100
 LOCK_NAME = "front.lock"
 # Everything the runtime makes in RUNTIME_DIR: a stop removes these and leaves anything else. The
 # `own` of the functions below adds RUNTIME_SOCKET_PATH's name when the socket is in the folder.
-ENTRIES = (LOCK_NAME, "workers.sock", "admin.sock", "beats", "pids", "stacks", "shm")
+# The record of multiprocessing's temp folder, which is outside RUNTIME_DIR (runtime/leftovers.py).
+TEMP_FOLDER_RECORD = "mp-tempdir"
+ENTRIES = (LOCK_NAME, "workers.sock", "admin.sock", "beats", "pids", "stacks", "shm", TEMP_FOLDER_RECORD)
 _OTHERS_MAY_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 

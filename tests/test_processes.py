@@ -53,9 +53,14 @@ def test_sigkill_of_the_front_leaves_no_process_within_10_s():
     runtime.stop()
 
 
-def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir():
-    first = Runtime().start()
+def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir(tmp_path):
+    # multiprocessing's temp folder (the fork servers' listener sockets) is in TMPDIR, not RUNTIME_DIR.
+    def temp_folders() -> list[str]:
+        return sorted(name for name in os.listdir(tmp_path) if name.startswith("pymp-"))
+
+    first = Runtime(TMPDIR=str(tmp_path)).start()
     run_dir = first.env["RUNTIME_DIR"]
+    [first_temp] = temp_folders()
     # Real workers die with the front (parent-death signal); this one stands for a worker that
     # outlived it. Beside it, a process of ours the records name that is no mesh-runtime process.
     left_behind = start_titled(titles.title("worker model=m", run_dir))
@@ -65,15 +70,18 @@ def test_new_front_kills_what_an_earlier_one_left_on_the_same_runtime_dir():
         record(run_dir, left_behind, unrelated)
         first.process.kill()  # it leaves its folder, its lock file and its records behind
         first.process.wait()
-        second = Runtime(RUNTIME_DIR=run_dir).start()
+        second = Runtime(RUNTIME_DIR=run_dir, TMPDIR=str(tmp_path)).start()
         try:
             assert left_behind.wait(10) == -signal.SIGKILL
             assert f"killing pid {left_behind.pid}, left behind by an earlier runtime" in second.log()
             assert unrelated.poll() is None and f"leaving pid {unrelated.pid} alone" in second.log()
             second.load("m2", second.model_dir("m2"))
             assert second.infer_fp32("m2", [1.0]).outputs
+            assert f"removed {tmp_path / first_temp}, multiprocessing's temp folder" in second.log()
+            assert len(temp_folders()) == 1 and first_temp not in temp_folders()  # the second's own
         finally:
             second.stop()
+        assert temp_folders() == []  # a clean stop leaves none
     finally:
         for child in (left_behind, unrelated):
             child.kill()
