@@ -184,8 +184,11 @@ class Runtime:
         self.root = tempfile.mkdtemp(prefix="mr-")
         self.models = os.path.join(self.root, "models")
         self.pvc = os.path.join(self.root, "pvc")
-        os.makedirs(self.models)
-        os.makedirs(self.pvc)
+        # The runtime's temp files (multiprocessing's folder among them) go where stop() removes them,
+        # even those of a front a test SIGKILLs.
+        temp = os.path.join(self.root, "tmp")
+        for folder in (self.models, self.pvc, temp):
+            os.makedirs(folder)
         self.port = free_port()
         self.env = {
             **os.environ,
@@ -193,6 +196,7 @@ class Runtime:
             "RUNTIME_DIR": os.path.join(self.root, "run"),
             "ROOT_MODEL_DIR": self.models,
             "PVC_MOUNTS_DIR": self.pvc,
+            "TMPDIR": temp,
             "WORKERS_WARM": "1",
             "METRICS_PORT": "0",
             "LOG_LEVEL": "info",
