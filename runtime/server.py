@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from plumbing import heap, logsetup, priority, titles
 from protos import grpc_predict_v2_pb2, model_runtime_pb2, model_runtime_pb2_grpc
-from runtime import __version__, busypoll, filelimit, heaptrim, reading, rundir, status
+from runtime import __version__, busypoll, filelimit, heaptrim, reading, rundir, status, tasklimit
 from runtime.admin import AdminServer
 from runtime.budget import ByteBudget
 from runtime.dataplane import InferenceService
@@ -353,8 +353,11 @@ async def serve_until(stop: asyncio.Event, settings: Settings) -> int:
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             await stop.wait()
         log.info("stopping: no new calls, %.1f s for those under way", settings.shutdown_grace_ms / 1000)
-    except Exception:
-        log.exception("the worker pool failed; stopping")
+    except Exception as error:
+        if (shortage := tasklimit.shortage()) is not None:  # the traceback would only hint at it
+            log.error("the worker pool failed (%s: %s): %s; stopping", type(error).__name__, error, shortage)
+        else:
+            log.exception("the worker pool failed; stopping")
         exit_code = 1
     await health_servicer.enter_graceful_shutdown()
     await server.stop(settings.shutdown_grace_ms / 1000)

@@ -34,6 +34,20 @@ def room_for_a_worker(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups
     return left is None or left >= TASKS_PER_WORKER + RESERVED_TASKS
 
 
+def shortage(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> str | None:
+    """Why no worker may start, told for an operator, when a pids limit leaves too few tasks; else None.
+    Where the runtime's own start failed, this names the cause that a thread or a fork refused by the
+    kernel only hints at."""
+    left = tasks_left(cgroup_root, self_cgroup)
+    if left is None or left >= TASKS_PER_WORKER + RESERVED_TASKS:
+        return None
+    return (
+        f"{max(left, 0)} tasks left under the pids cgroup's pids.max, fewer than the "
+        f"{TASKS_PER_WORKER + RESERVED_TASKS} a worker needs beside the front's: "
+        "raise the container's pids limit"
+    )
+
+
 def tasks_left(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> int | None:
     """The fewest tasks any pids cgroup of this process, or one above it, may still start; None
     where none has a limit (or none can be read). A folder that is not there (a container that

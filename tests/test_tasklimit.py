@@ -52,6 +52,38 @@ def test_no_limit_or_nothing_readable_leaves_room(tmp_path):
     assert tasklimit.room_for_a_worker(str(root), str(tmp_path / "no-such-file"))
 
 
+def test_a_shortage_is_told_only_near_the_limit(tmp_path):
+    root = tmp_path / "cg"
+    write_tree(root, {"pids/pids.max": "30\n", "pids/pids.current": "28\n"})
+    cgroup_file = self_cgroup(tmp_path, "4:pids:/\n")
+    told = tasklimit.shortage(str(root), cgroup_file)
+    assert told is not None and told.startswith("2 tasks left under the pids cgroup's pids.max")
+    write_tree(root, {"pids/pids.max": "300\n"})
+    assert tasklimit.shortage(str(root), cgroup_file) is None
+
+
+def test_a_pids_limit_too_low_for_the_start_is_named_in_one_line():
+    path, why = cgroup.make("start", "pids", "/sys/fs/cgroup/pids")
+    if path is None:
+        pytest.skip(f"no pids cgroup can be made here: {why}")
+    with open(os.path.join(path, "pids.max"), "w") as limit:
+        limit.write("12")  # fewer than the front's own threads and a fork server
+    joins = cgroup.Cgroup()
+    joins.path = path
+    rt = Runtime(command_prefix=joins.command_prefix())
+    try:
+        rt.start(wait_ready=False)
+        assert rt.process.wait(60) == 1
+        log = rt.log()
+        assert (
+            "tasks left under the pids cgroup's pids.max" in log and "raise the container's pids limit" in log
+        )
+        assert "Traceback" not in log, log
+    finally:
+        rt.stop()
+        joins.remove()
+
+
 def test_a_load_past_pids_max_is_refused_and_the_models_loaded_keep_their_workers():
     path, why = cgroup.make("tasks", "pids", "/sys/fs/cgroup/pids")
     if path is None:
