@@ -16,6 +16,9 @@ from runtime.worker import Worker
 
 # How long a model just loaded is taken to wait for its first call, when none comes.
 FIRST_CALL_WAIT_SECONDS = 1.0
+# What a pack's drops may fail to give back in all before it is recycled: heap pages that stay
+# partly used by the survivors, allocator bookkeeping.
+RECYCLE_SLACK_BYTES = 128 * 1024
 # The states of a model whose place in a pack moves with the pack's other models.
 MOVING_STATES = (ModelState.READY, ModelState.LOADING)
 
@@ -40,6 +43,15 @@ class Pack:
         self.calls_bytes = 0  # charged with the base: its format's first calls of a worker
         self.last_loaded: Model | None = None  # the model of its last load, and when that load returned
         self.last_loaded_at = 0.0
+        self.left_over = 0  # what its drops and failed loads did not give back, in all
+
+    def note_left_over(self, kept: int) -> int:
+        """Adds what a drop or a failed load kept (less than 0: it gave back more, heap an earlier
+        one kept) to what the pack's drops kept in all, which it returns: each may be under the
+        slack, while thousands of them in the pack's life add up to any size. Not floored at 0: a
+        page measured one way or the other would then only ever add up."""
+        self.left_over += kept
+        return self.left_over
 
     def give_up_load(self, model_id: str) -> None:
         """The model's load was given up on while the pack may still run it: no other load goes

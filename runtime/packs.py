@@ -21,9 +21,9 @@ it. What a pack costs beyond its models' sizes (one not yet full) is counted in 
 (`unclaimed()`, and the supervisor's hold-back for open packs).
 
 What a load added and what a drop gave back are read from the pack's anonymous pages
-(memory.anonymous(), cheap). A pack that did not shrink by what the model's load added, less
-RECYCLE_SLACK_BYTES, is recycled before the unload returns, and so is one that may still run an
-abandoned load, a failed load that left memory behind, or a process its load started
+(memory.anonymous(), cheap). A pack whose drops and failed loads kept over RECYCLE_SLACK_BYTES in
+all (what each load added less what its drop gave back) is recycled before the unload returns, and
+so is one that may still run an abandoned load or a process its load started
 (multiprocessing's fork server) after its drop, and one whose drop (the model's close()) runs past
 CALLS_GRACE_SECONDS; after an unload, a format's emptiest pack may be compacted into the others
 (runtime/repacking.py). A model whose load leaves processes running moves to a worker of its own
@@ -45,7 +45,7 @@ from runtime import forkserver, memory, slowloads
 from runtime.channel import PeerGone
 from runtime.model import Model
 from runtime.modelspec import ModelSpec
-from runtime.pack import Pack, PackedLoad
+from runtime.pack import RECYCLE_SLACK_BYTES, Pack, PackedLoad
 from runtime.pool import WorkerPool
 from runtime.repacking import Repacker
 from runtime.settings import Settings
@@ -55,14 +55,11 @@ from workers import formats, protocol
 
 log = logging.getLogger("mesh.packs")
 
-# What a drop may fail to give back before the pack is recycled: heap pages
-# that stay partly used by the survivors, allocator bookkeeping.
-RECYCLE_SLACK_BYTES = 128 * 1024
 # The least a packed model's load is charged: a load that reused heap the
 # pack had freed grows it by less than the model holds. What one model is
 # charged beyond its growth is credit that the next loads' growth uses up.
 PACKED_MODEL_MIN_BYTES = 8 * 1024
-# What each packed model is charged for drops: a drop may leave up to RECYCLE_SLACK_BYTES in its
+# What each packed model is charged for drops: drops may leave up to RECYCLE_SLACK_BYTES in their
 # pack (heap pages the survivors still use part of), and only a later load into that pack is
 # charged it, which a compaction's moves into its free places never are. Under churn near
 # capacity, packs were measured to outgrow their models' sizes (docs/density.md).
@@ -212,7 +209,7 @@ class Packs:
         await slowloads.drop_left_behind(self, pack)
         if not reply["ok"]:
             return await self._failed(pack, model, reply, left=added)
-        pack.grown[model.model_id] = max(0, added)
+        pack.grown[model.model_id] = added  # may be < 0: else a drop's tally (note_left_over) drifts up
         measured, below = await asyncio.to_thread(_cost_and_processes_below, worker.pid)
         # As the pack tells them: a diff of the processes below it would blame this load for what
         # its neighbours' threads started meanwhile.
@@ -257,8 +254,10 @@ class Packs:
         pack.worker.models.discard(model.model_id)
         if not pack.charged:
             await self._end(pack, f"its first load ({model.model_id}) failed")
-        elif left > RECYCLE_SLACK_BYTES:
-            await self.repacker.recycle(pack, f"the failed load of {model.model_id} left {left} bytes")
+        elif (in_all := pack.note_left_over(left)) > RECYCLE_SLACK_BYTES:
+            await self.repacker.recycle(
+                pack, f"the failed load of {model.model_id} left {left} of {in_all} bytes"
+            )
         return reply, 0
 
     def _charge(self, pack: Pack, model_id: str, measured: int, processes_below: bool = False) -> int:
@@ -359,7 +358,8 @@ class Packs:
         except TimeoutError:
             await self.repacker.recycle(pack, f"the drop of {model_id} ran on past {CALLS_GRACE_SECONDS:g} s")
             return
-        if reason := _left_behind(model_id, started, before - memory.anonymous(worker.pid), grown):
+        freed = before - memory.anonymous(worker.pid)
+        if reason := _left_behind(model_id, started, freed, grown, pack.note_left_over(grown - freed)):
             await self.repacker.recycle(pack, reason)
 
     async def _end(self, pack: Pack, reason: str, grace: float = 0.0, unloaded: str = "") -> None:
@@ -385,13 +385,13 @@ class Packs:
         return models
 
 
-def _left_behind(model_id: str, started: set[lifeline.Identity], freed: int, grown: int) -> str:
+def _left_behind(model_id: str, started: set[lifeline.Identity], freed: int, grown: int, in_all: int) -> str:
     """Why its pack is recycled after the model's drop, if it is: processes its load started run
-    on (multiprocessing's fork server), or the pack did not shrink by what it added."""
+    on (multiprocessing's fork server), or its drops kept more than the slack in all (`in_all`)."""
     if outlived := [pid for pid, _ in filter(lifeline.lives, started)]:
         return f"processes the load of {model_id} started outlived it: {outlived}"
-    if freed + RECYCLE_SLACK_BYTES < grown:
-        return f"dropping {model_id} gave back {freed} of the {grown} bytes it added"
+    if in_all > RECYCLE_SLACK_BYTES:
+        return f"dropping {model_id} gave back {freed} of the {grown} bytes it added ({in_all} kept in all)"
     return ""
 
 

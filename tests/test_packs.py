@@ -338,6 +338,24 @@ def test_a_model_that_leaves_memory_behind_has_its_pack_recycled_before_unload_r
         assert metric_sample(scrape_metrics(rt), "mesh_pack_recycle_seconds_count") == 1
 
 
+def test_drops_that_each_keep_less_than_the_slack_recycle_the_pack_once_they_add_up():
+    # Each of its drops keeps 96 KiB, under RECYCLE_SLACK_BYTES: thousands of them in a pack's life
+    # would grow it without bound (and have every later load judged too big for a pack).
+    keeping = parking_model().replace("8 * 1024 * 1024", "96 * 1024")
+    with packed() as rt:
+        rt.load("a", rt.model_dir("a"))
+        path = rt.model_dir("keeping", keeping)
+        rt.load("k1", path)
+        (old,) = pack_pids(rt)
+        rt.unload("k1")
+        assert pack_pids(rt) == {old}, "one drop under the slack keeps its pack"
+        rt.load("k2", path)
+        rt.unload("k2")
+        assert not psutil.pid_exists(old), "the second one's 96 KiB more passed the slack in all"
+        assert "kept in all" in rt.log()
+        assert answers(rt, "a")
+
+
 def test_a_recycle_whose_fresh_pack_cannot_load_the_survivors_ends_it_and_they_heal():
     with packed(MODEL_CRASH_LIMIT="1") as rt:  # the old pack's end is not a crash of theirs
         gone = rt.model_dir("gone")
