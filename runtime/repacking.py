@@ -313,10 +313,10 @@ class Repacker:
                 self._not_moved(model, target, reply)
         _move_charges(charges, source, target, loaded)
         total_added = sum(target.grown[m.model_id] for m in loaded)
-        # What each added in `source`, never more in all than `target` grew by. Not a share of
-        # that growth: it also holds what a fresh pack's first load writes for all, which no
-        # model's drop gives back (its base, measured after).
-        scale = min(1.0, grown / total_added) if total_added else 0.0
+        # What each added in `source` (less than 0 for one that reused heap there), never more in
+        # all than `target` grew by. Not a share of that growth: it also holds what a fresh pack's
+        # first load writes for all, which no model's drop gives back (its base, measured after).
+        scale = grown / total_added if total_added > grown else 1.0
         for model in loaded:
             target.grown[model.model_id] = int(target.grown[model.model_id] * scale)
         return loaded
