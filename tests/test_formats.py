@@ -411,6 +411,16 @@ def test_an_empty_or_truncated_sklearn_file_is_told_so(tmp_path, cut):
         adapter.load(str(tmp_path))
 
 
+@pytest.mark.parametrize("content", [b'{"a json": 1}', b"plain text", b"\x80\x04\x95cut", bytes(range(64))])
+def test_a_sklearn_file_that_is_no_pickle_is_told_so(tmp_path, content):
+    pytest.importorskip("sklearn", reason="pip install 'mesh-runtime[sklearn]'")
+    from workers.formats import sklearn as adapter
+
+    (tmp_path / "model.joblib").write_bytes(content)
+    with pytest.raises(ValueError, match="cannot unpickle .*: is it a scikit-learn model saved with joblib"):
+        adapter.load(str(tmp_path))
+
+
 @pytest.mark.parametrize("content", [b"", b'{"learner": {', b"{not ubj"])
 def test_an_unreadable_xgboost_file_is_told_without_the_native_stack_trace(tmp_path, content):
     # The message becomes the load's gRPC status message: the library's backtrace (addresses in

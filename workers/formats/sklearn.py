@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import io
+import pickle
+import struct
 import warnings
 
 import numpy as np
@@ -51,6 +53,13 @@ def load(path: str) -> SklearnModel:
         estimator = joblib.load(file)
     except EOFError:  # raised without a message, which would leave the load's status saying nothing
         raise EOFError(f"{file} ends before its pickle does: empty or cut short") from None
+    except (pickle.UnpicklingError, KeyError, IndexError, ValueError, struct.error) as error:
+        # What bytes that are no pickle raise ("KeyError: 110"); a pickle of another library
+        # version raises some of them too, so the message stays, with the question to ask.
+        raise ValueError(
+            f"cannot unpickle {file} ({type(error).__name__}: {error}): "
+            "is it a scikit-learn model saved with joblib or pickle?"
+        ) from None
     if not callable(getattr(estimator, "predict", None)):
         raise TypeError(f"the file holds a {type(estimator).__name__}, which has no predict()")
     model = SklearnModel(estimator)
