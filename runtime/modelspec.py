@@ -271,7 +271,7 @@ def detect_format(
 def predicted_size(spec: ModelSpec, settings: Settings) -> int:
     """A conservative size for a model not loaded yet: bytes on disk x multiplier, never below
     the format's floor, for each of the MODEL_REPLICAS workers that will hold it."""
-    one_copy = max(int(spec.disk_bytes * settings.modelsize_multiplier), spec.format.size_floor, 1)
+    one_copy = max(int(spec.disk_bytes * settings.modelsize_multiplier), size_floor(spec.format, settings), 1)
     return one_copy * settings.model_replicas
 
 
@@ -300,4 +300,12 @@ def predicted_before_the_pull(
     fmt = formats.by_name(format_name_from(parse_key(model_key), model_type) or "")
     if fmt is None or (fmt.framework and importlib.util.find_spec(fmt.framework) is None):
         return None
-    return max(fmt.size_floor, settings.default_modelsize) * settings.model_replicas
+    return max(size_floor(fmt, settings), settings.default_modelsize) * settings.model_replicas
+
+
+def size_floor(fmt: formats.Format, settings: Settings) -> int:
+    """The least a loaded model of `fmt` costs: its floor, plus its framework's import where the fork
+    servers do not preload it (its worker imports it, and holds all that import allocates)."""
+    if fmt.framework and fmt.framework not in settings.worker_preload:
+        return fmt.size_floor + fmt.import_bytes
+    return fmt.size_floor

@@ -50,6 +50,10 @@ class Format:
     # model's own first predict (docs/density.md). A pack has it in its base:
     # what its models' calls add after its last load.
     first_calls_bytes: int = 384 * KiB
+    # What a worker of its own holds once it has imported the framework itself, which it does
+    # where the fork servers do not preload it (WORKER_PRELOAD): predictModelSize adds it to the
+    # floor, measured with the framework preloaded, so that it still covers modelSize.
+    import_bytes: int = 0
     # A worker of its own puts the model's folder on sys.path (a custom model's helper modules
     # beside its model.py); a pack does not: see runtime/modelspec.py, ModelSpec.brings_modules.
     imports_from_its_folder: bool = False
@@ -79,7 +83,8 @@ class Format:
 # onnxruntime 1.32, torch 2.13 (CPU), with meshtest/harness.py. Without
 # preloading, a worker pays the whole import instead (measured: 140 MiB for
 # torch, 70 MiB for sklearn, xgboost or lightgbm, 25 MiB for onnxruntime, and
-# 1.2-1.8 s per load): keep the frameworks you serve in WORKER_PRELOAD.
+# 1.2-1.8 s per load): keep the frameworks you serve in WORKER_PRELOAD. Those
+# figures are each format's import_bytes, which predictModelSize adds to the floor then.
 # tests/test_formats.py checks that predictModelSize still covers modelSize.
 FORMATS: tuple[Format, ...] = (
     # A custom model: model.py defining `class Model`. 8.3 MiB loaded, 8.4 MiB
@@ -103,6 +108,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".joblib", ".pkl", ".pickle"),
         aliases=("scikit-learn", "sk-learn", "skl"),
         size_floor=12 * MiB,
+        import_bytes=70 * MiB,
         batches_rows=True,
     ),
     # 8.0-8.3 MiB loaded, 8.1-8.4 MiB after a call.
@@ -114,6 +120,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".json", ".ubj"),
         aliases=("xgb",),
         size_floor=10 * MiB,
+        import_bytes=70 * MiB,
         batches_rows=True,
     ),
     # 7.4 MiB loaded, 7.5 MiB after a call.
@@ -125,6 +132,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".txt",),
         aliases=("lgbm", "lgb"),
         size_floor=10 * MiB,
+        import_bytes=70 * MiB,
         batches_rows=True,
     ),
     # 9.1 MiB loaded, 9.2 MiB after a call; the first worker 17.9 MiB, 8 MiB
@@ -137,6 +145,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".onnx",),
         aliases=("onnxruntime", "onnxruntime_onnx"),
         size_floor=20 * MiB,
+        import_bytes=25 * MiB,
     ),
     # 7.4-7.8 MiB loaded, 8.0 MiB after a call (its first forward() profiles
     # the graph); the first worker 11.1 MiB.
@@ -148,6 +157,7 @@ FORMATS: tuple[Format, ...] = (
         suffixes=(".pt",),
         aliases=("torch", "torchscript", "pytorch_libtorch"),
         size_floor=14 * MiB,
+        import_bytes=140 * MiB,
         first_calls_bytes=768 * KiB,  # its first forward() profiles the graph
     ),
 )
