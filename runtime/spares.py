@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 
 from plumbing import lifeline
 from runtime import status
@@ -18,6 +19,10 @@ from runtime.worker import Worker, WorkerState
 # 2 s, between them) end the wait of the callers in line for one: a load would otherwise wait for
 # LOADTIME_TIMEOUT and fail as a load that ran too long, a heal for ever.
 FAILED_STARTS_BEFORE_GIVING_UP = 3
+
+# What the current task (a load) waits for before it can start: a spare of a fork server, set here
+# and left set if it gives up waiting (a load that timed out then says that it never started).
+waiting_for: contextvars.ContextVar[str | None] = contextvars.ContextVar("waiting_for", default=None)
 
 
 class Spares:
@@ -50,6 +55,7 @@ class Spares:
         """Until a spare of `group` may be there (pop() again: another caller may have been faster)."""
         entry = (group, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
+        waiting_for.set(f"a worker of the {group} fork server")
         try:
             await entry[1]
         except BaseException:
@@ -58,6 +64,7 @@ class Spares:
             self._wake_a_waiter(group)
             raise
         self._waiters.remove(entry)
+        waiting_for.set(None)
 
     def note_failed_starts(self, group: str, failures: int) -> None:
         """`failures` workers of `group` in a row did not start: past the limit, every caller in

@@ -51,7 +51,14 @@ def failed_precondition(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
-def load_timed_out(model_id: str, timeout_ms: int) -> RpcError:
+def load_timed_out(model_id: str, timeout_ms: int, waiting_for: str | None = None) -> RpcError:
+    """`waiting_for`: what the load still waited for when its time ran out (it never started)."""
+    if waiting_for:
+        return RpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"load of {model_id!r} did not start within LOADTIME_TIMEOUT={timeout_ms} ms: it was still "
+            f"waiting for {waiting_for}",
+        )
     return RpcError(
         grpc.StatusCode.DEADLINE_EXCEEDED,
         f"load of {model_id!r} did not finish within LOADTIME_TIMEOUT={timeout_ms} ms; its worker was killed",

@@ -23,7 +23,7 @@ import importlib.util
 import logging
 import time
 
-from runtime import memory, modelspec, status
+from runtime import memory, modelspec, spares, status
 from runtime.channel import PeerGone
 from runtime.healing import Healer
 from runtime.meshunits import UNIT_BYTES, units_for_models
@@ -173,13 +173,8 @@ class Supervisor:
             await asyncio.shield(model.gone)  # an unload is finishing: then load afresh
         model = Model(spec, self.settings)
         self._models[spec.model_id] = model
-        log.info(
-            "loading %s (%s) from %s",
-            spec.model_id,
-            spec.format.name,
-            spec.path,
-            extra={"model_id": spec.model_id},
-        )
+        extra = {"model_id": spec.model_id}
+        log.info("loading %s (%s) from %s", spec.model_id, spec.format.name, spec.path, extra=extra)
         model.load_task = asyncio.create_task(self._load(model), name=f"load-{spec.model_id}")
         model.load_task.add_done_callback(functools.partial(self._after_load, model))
         try:
@@ -203,15 +198,19 @@ class Supervisor:
     async def _load(self, model: Model) -> int:
         spec = model.spec
         timeout_ms = self.settings.loadtime_timeout
+        spares.waiting_for.set(
+            f"one of MAX_LOADING_CONCURRENCY={self.settings.max_loading_concurrency} loads to end"
+        )
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 async with self._load_slots:
+                    spares.waiting_for.set(None)
                     if self.packs.accepts(spec):
                         sizes = await self._load_packed(model)
                     else:
                         sizes = await self._load_own_workers(model)
         except TimeoutError:
-            raise status.load_timed_out(spec.model_id, timeout_ms) from None
+            raise status.load_timed_out(spec.model_id, timeout_ms, spares.waiting_for.get()) from None
         except PeerGone as gone:
             raise status.worker_died(spec.model_id, "load", gone.exit_code, gone.cause) from None
         finally:

@@ -17,6 +17,7 @@ from runtime.modelspec import ModelSpec
 from runtime.pool import WorkerPool
 from runtime.replicas import ReplicaSet
 from runtime.settings import Settings
+from runtime.spares import Spares
 from runtime.supervisor import Supervisor
 from runtime.worker import KillCause, Worker, WorkerState
 from workers import formats
@@ -129,6 +130,41 @@ def test_a_load_past_its_timeout_is_deadline_exceeded_and_its_worker_killed():
     sup, error = run(scenario())
     assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert sup.pool.taken[0].state is WorkerState.EXITED and not sup.is_known("m")
+
+
+def test_a_load_that_times_out_waiting_for_a_spare_says_it_never_started_and_for_which_fork_server():
+    async def scenario():
+        sup = supervisor()
+        waiting = Spares(1, ("base",))  # no spare ever comes: its fork server is hung, say
+
+        async def take(format_name: str) -> Worker:
+            await waiting.wait("base")
+            raise AssertionError("no spare was made")
+
+        sup.pool.take = take
+        with pytest.raises(status.RpcError) as raised:
+            await sup.load(spec())
+        return sup, raised.value
+
+    sup, error = run(scenario())
+    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "did not start" in error.message and "a worker of the base fork server" in error.message
+    assert "its worker was killed" not in error.message  # it never had one
+    assert not sup.is_known("m")
+
+
+def test_a_load_that_times_out_waiting_for_a_load_slot_says_so():
+    async def scenario():
+        sup = supervisor(MAX_LOADING_CONCURRENCY="1")
+        await sup._load_slots.acquire()  # another load holds the only slot all along
+        with pytest.raises(status.RpcError) as raised:
+            await sup.load(spec())
+        return sup, raised.value
+
+    sup, error = run(scenario())
+    assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "did not start" in error.message and "MAX_LOADING_CONCURRENCY=1" in error.message
+    assert not sup.pool.taken
 
 
 def test_unload_returns_once_every_worker_is_reaped_and_unknown_ids_at_once():
