@@ -34,6 +34,7 @@ import threading
 import time
 
 from plumbing import lifeline, logsetup, titles
+from runtime import status
 from runtime.leftovers import ProcessRegistry
 from workers import formats, protocol
 
@@ -118,15 +119,32 @@ class ForkServers:
                 probe = multiprocessing.get_context("forkserver").Process(target=os.getpid, name="mesh-probe")
                 try:
                     self.start_process(group, probe)
-                except (EOFError, OSError) as error:  # it died importing (the OOM killer, say)
-                    if attempt == START_ATTEMPTS:
-                        raise
-                    log.warning("the %s fork server died as it started (%r); starting it again", group, error)
+                except (EOFError, OSError) as error:  # it died importing (the OOM killer, a crashing library)
                     time.sleep(RESTART_PAUSE_SECONDS)  # till it is a zombie: until then it looks alive
+                    preloads = ", ".join(self.preload_of(group))
+                    died = f"{error!r}, {self._exit_status(group)}; it preloads {preloads}"
+                    if attempt == START_ATTEMPTS:
+                        raise RuntimeError(
+                            f"the {group} fork server died as it started {attempt} times in a row ({died}): "
+                            "take what it cannot import out of WORKER_PRELOAD"
+                        ) from error
+                    log.warning("the %s fork server died as it started (%s); starting it again", group, died)
                     continue
                 probe.join(timeout=PRELOAD_SECONDS)
                 probe.close()
                 break
+
+    def _exit_status(self, group: str) -> str:
+        """How the group's fork server ended, dead as it started (left unreaped: multiprocessing
+        reaps it as it starts another); its stderr went to the front's, unless it crashed silently."""
+        pid = getattr(self._servers.get(group), "_forkserver_pid", None)
+        try:
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) if pid else None
+        except ChildProcessError:
+            ended = None
+        if ended is None:
+            return status.describe_exit(None)
+        return status.describe_exit(ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
 
     def _server(self, group: str) -> multiprocessing.forkserver.ForkServer:
         """The group's fork server, made if need be, with the environment it reads as it starts."""

@@ -118,11 +118,29 @@ def test_a_fork_server_that_dies_as_the_pool_starts_is_started_again(tmp_path, m
     try:
         servers.start_all()
         assert servers.all_running()
-        assert "the base fork server died as it started (EOFError('unexpected EOF')); starting it again" in (
-            caplog.text
-        )
+        assert "the base fork server died as it started (EOFError('unexpected EOF'), " in caplog.text
+        assert "it preloads numpy); starting it again" in caplog.text
     finally:
         servers.stop()
+
+
+def test_a_fork_server_that_dies_at_every_start_stops_the_pool_saying_how_it_died_and_what_it_preloads(
+    tmp_path, caplog
+):
+    preload = ("numpy", "meshtest.killed_at_import")
+    servers = forkserver.ForkServers(preload, str(tmp_path), ("info", "text"), Records())
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            servers.start_all()
+    finally:
+        servers.stop()
+    died = "killed by SIGKILL; it preloads numpy, meshtest.killed_at_import"
+    assert (
+        f"the base fork server died as it started 3 times in a row (EOFError('unexpected EOF'), {died})"
+        in (str(raised.value))
+    )
+    assert "take what it cannot import out of WORKER_PRELOAD" in str(raised.value)
+    assert f"{died}); starting it again" in caplog.text
 
 
 def probe() -> multiprocessing.process.BaseProcess:
