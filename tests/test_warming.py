@@ -162,6 +162,13 @@ def test_a_failing_warm_up_is_reported_and_the_forkserver_serves_on(tmp_path):
         assert list(labels) == [0, 2]
 
 
+def test_a_preloaded_module_that_starts_a_thread_is_reported_and_the_frameworks_are_not():
+    with Runtime(WORKER_PRELOAD="numpy,meshtest.starts_a_thread", WORKER_THREADS="2") as runtime:
+        log = runtime.log()
+    assert "importing meshtest.starts_a_thread started a thread, which no worker forked" in log
+    assert log.count("started a thread") == 1, log  # numpy's BLAS pool (2 threads per call) is not
+
+
 # The fork server's step after the warm-ups, in a fresh interpreter; argv[1] "hang" replaces the
 # formats' touches with one that never returns, and a short deadline.
 TOUCH_SEQUENCE = """

@@ -18,6 +18,7 @@ import gc
 import importlib
 import os
 import sys
+import threading
 
 from plumbing import heap, lifeline, logsetup, titles
 from workers import formats, protocol
@@ -44,10 +45,13 @@ def _preload() -> None:
     wanted = [m for m in os.environ.get(protocol.PRELOAD_ENV, "numpy").split(",") if m]
     # The format modules import their frameworks lazily, so they are cheap here.
     for name in [*wanted, "workers.main", "workers.loop", *(f.module for f in formats.FORMATS)]:
+        threads = threading.active_count()
         try:
             importlib.import_module(name)
         except Exception as error:  # a broken optional framework must not stop the pool
             print(f"mesh-runtime forkserver: cannot preload {name}: {error}", file=sys.stderr)
+        if threading.active_count() > threads:
+            print(f"mesh-runtime forkserver: {_STARTED_A_THREAD.format(name)}", file=sys.stderr)
     warming.warm_imported()
     warming.touch_compute_code_in_a_child()
     gc.collect()
@@ -84,6 +88,13 @@ def _keep_serving_when_a_fork_fails() -> None:
 
 
 _REQUEST_FDS = {"child_r", "child_w", "fds"}
+# A Python thread a preloaded module starts (a thread pool, a background flusher) is missing in every
+# worker, where a call that waits on it hangs. Only Python threads are counted: the frameworks' native
+# ones are the warm-ups' concern (docs/warming.md), and onnxruntime's import starts one that none misses.
+_STARTED_A_THREAD = (
+    "importing {} started a thread, which no worker forked from here runs: a worker that waits on it "
+    "hangs; take it out of WORKER_PRELOAD"
+)
 
 
 class _Mallinfo2(ctypes.Structure):
