@@ -36,7 +36,7 @@ class Spares:
         idle = self._idle[group]
         while idle:
             worker = idle.popleft()
-            if worker.state is WorkerState.SPARE:  # not killed since it was added
+            if worker.state is WorkerState.SPARE and not _dead(worker):  # nor killed since it was added
                 return worker
         return None
 
@@ -128,6 +128,13 @@ class Spares:
             if wanted == group and not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+def _dead(worker: Worker) -> bool:
+    """Whether the worker has died or begun to, though its reap has not come yet (its exit goes
+    through the fork server and the spawner thread): a load sent to it would fail as its own."""
+    identity = worker.pid_identity
+    return identity is not None and not lifeline.lives(identity)
 
 
 def _lives(worker: Worker) -> bool:

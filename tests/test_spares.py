@@ -1,10 +1,14 @@
 """The line of callers waiting for a spare: who is served, who is refused."""
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import pytest
 
 from runtime.spares import Spares
+from runtime.worker import Worker
 
 
 class Refused(Exception):
@@ -29,3 +33,24 @@ def test_callers_a_worker_on_its_way_will_serve_keep_their_place_and_the_rest_ar
         assert spares.waiting("base") == spares.waiting("sklearn") == 0
 
     asyncio.run(scenario())
+
+
+def spare(pid: int) -> Worker:
+    worker = Worker(f"w{pid}".encode(), process=None, group="base")
+    worker.pid = pid  # notes its start time, as for a worker that said hello
+    return worker
+
+
+def test_a_spare_that_died_and_is_not_reaped_yet_is_not_handed_out():
+    async def scenario():
+        spares = Spares(warm=2, groups=("base",))
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        died, living = spare(process.pid), spare(os.getpid())
+        spares.add(died)
+        spares.add(living)
+        process.kill()  # the OOM killer, say: its reap, through the fork server, comes later
+        process.wait()
+        return living, spares.pop("base"), spares.pop("base")
+
+    living, first, second = asyncio.run(scenario())
+    assert first is living and second is None
