@@ -164,6 +164,9 @@ class ForkServers:
 
     def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
         """Forks `process` from the group's fork server, starting that first if need be; its pid."""
+        # One killed a moment ago looks alive to multiprocessing till it is a zombie: the start would
+        # reach its dying socket and fail (EOFError). Started again first, as a reap would have.
+        self.revive_if_dead(group, self._identities.get(group))
         server = self._server(group)
         limit = self.fork_limit(group)
         default_connect = multiprocessing.forkserver.connect_to_new_process

@@ -1,6 +1,7 @@
 """runtime/forkserver.py: one fork server per framework, each started by its format's first load,
 each with WORKERS_WARM spares of its own, and room made at WORKERS_MAX."""
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -10,6 +11,7 @@ import pytest
 from harness import Runtime, alive, wait_until
 from test_formats import make_examples
 
+from plumbing import lifeline
 from runtime import forkserver
 
 PRELOAD = ("numpy", "sklearn")
@@ -80,6 +82,25 @@ def test_a_fork_server_that_stops_answering_is_killed_and_the_next_start_gets_an
         servers.start_process(forkserver.BASE_GROUP, forked)
         forked.join(timeout=30)
         assert forked.exitcode == 0 and len(started) == 2 and records.removed == [stopped]
+    finally:
+        servers.stop()
+
+
+def test_a_start_right_after_the_fork_server_was_killed_gets_another(tmp_path):
+    records = Records()
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), records)
+    try:
+        servers.start_all()
+        for _ in range(10):  # multiprocessing alone failed about half of such starts
+            identity = servers.identity_of(forkserver.BASE_GROUP)
+            assert identity is not None
+            os.kill(identity[0], signal.SIGKILL)  # the OOM killer, say, as a load comes in
+            wait_until(functools.partial(lifeline.is_exiting, identity), what="the fork server exiting")
+            forked = probe()
+            servers.start_process(forkserver.BASE_GROUP, forked)  # not EOFError from the dying one
+            forked.join(timeout=30)
+            assert forked.exitcode == 0
+        assert len(records.added) == 11 and records.removed == records.added[:10]
     finally:
         servers.stop()
 
