@@ -13,11 +13,32 @@ import os
 import sys
 import time
 
+# A traceback in the log keeps its first and last characters: an exception may carry megabytes
+# (model code raising with a data frame in its message), written again on every failed call.
+TRACEBACK_HEAD_CHARS = 12_288
+TRACEBACK_TAIL_CHARS = 4096
+
+
+def bounded_traceback(text: str) -> str:
+    left_out = len(text) - TRACEBACK_HEAD_CHARS - TRACEBACK_TAIL_CHARS
+    if left_out <= 0:
+        return text
+    head, tail = text[:TRACEBACK_HEAD_CHARS], text[-TRACEBACK_TAIL_CHARS:]
+    return f"{head}\n... ({left_out} characters left out) ...\n{tail}"
+
+
+class TextFormatter(logging.Formatter):
+    def formatException(self, ei) -> str:
+        return bounded_traceback(super().formatException(ei))
+
 
 class JsonFormatter(logging.Formatter):
     def __init__(self, role: str):
         super().__init__()
         self.role = role
+
+    def formatException(self, ei) -> str:
+        return bounded_traceback(super().formatException(ei))
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -55,7 +76,7 @@ def setup(role: str, level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter(role))
     else:
         handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
+            TextFormatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -334,3 +334,16 @@ def test_calls_for_two_models_of_a_pack_never_share_a_predict(worker):
         [[10.0, 12.0]],
         [[14.0, 16.0]],
     ]
+
+
+class HugeErrorModel(RowModel):
+    def predict(self, inputs, parameters, requested_outputs):
+        raise ValueError("row " * 1_000_000)
+
+
+def test_a_failed_batch_logs_its_error_cut_as_a_reply_s(worker, caplog):
+    hold(worker, HugeErrorModel(), "sklearn", batches_rows=True)
+    with caplog.at_level("INFO", logger="mesh.worker"):
+        in_order(worker, calls(request([[1, 2]]), request([[3, 4]])))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("a batch of")]
+    assert said and len(said[0]) < protocol.ERROR_MESSAGE_MAX_CHARS + 200

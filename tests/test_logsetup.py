@@ -42,3 +42,16 @@ def test_without_the_front_s_word_the_fork_server_leaves_logging_alone(root_logg
     before = root_logger.handlers[:]
     logsetup.setup_from_env("worker")
     assert root_logger.handlers == before
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_traceback_carrying_megabytes_is_cut_to_its_ends(root_logger, capsys, fmt):
+    logsetup.setup("worker", "info", fmt)
+    try:
+        raise ValueError("row " * 1_000_000)  # model code raising with a data frame in its message
+    except ValueError:
+        logging.getLogger("mesh.worker").exception("model m raised")
+    written = capsys.readouterr().err
+    assert len(written) < 20_000
+    assert "Traceback (most recent call last)" in written and "ValueError: row row" in written
+    assert "characters left out" in written

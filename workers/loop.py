@@ -370,10 +370,9 @@ class Worker:
                 shares = batching.split_outputs(group, outputs)
             except BaseException as error:
                 log.info(
-                    "a batch of %d calls failed (%s: %s); running them one by one",
+                    "a batch of %d calls failed (%s); running them one by one",
                     len(group),
-                    type(error).__name__,
-                    error,
+                    protocol.described(error),
                     extra={"model_id": held.model_id},
                 )
         return {
