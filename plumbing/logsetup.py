@@ -2,15 +2,19 @@
 
 Text: one line per event. LOG_FORMAT=json: one JSON object per line with
 time, level, process role, pid, message, and model_id when the event concerns
-a model (pass it as `extra={"model_id": ...}`).
+a model (pass it as `extra={"model_id": ...}`). Under json, what Python code
+prints (model code's print(), warnings, tracebacks Python writes to stderr)
+comes out as JSON objects too; what C code writes straight to fds 1 and 2 does not.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import sys
+import threading
 import time
 
 # A traceback in the log keeps its first and last characters: an exception may carry megabytes
@@ -71,9 +75,10 @@ def setup_from_env(role: str) -> None:
 
 def setup(role: str, level: str, fmt: str) -> None:
     """Routes every logger to stderr in the chosen format; replaces earlier handlers."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_unwrapped(sys.stderr))
     if fmt == "json":
         handler.setFormatter(JsonFormatter(role))
+        _log_what_python_prints()
     else:
         handler.setFormatter(
             TextFormatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(name)s: %(message)s")
@@ -85,3 +90,72 @@ def setup(role: str, level: str, fmt: str) -> None:
     # it when the fork server already set this level.
     if root.level != logging.getLevelName(level.upper()):
         root.setLevel(level.upper())
+
+
+# Printed lines go out in pieces of at most this many characters: a line never ended (a progress
+# bar redrawn with "\r") must not grow without end.
+PRINTED_PIECE_CHARS = 8192
+
+
+class Printed(io.TextIOBase):
+    """sys.stdout or sys.stderr under LOG_FORMAT=json: each line written becomes a log record of
+    logger `name` (the raw line would be the one thing in the log that is not JSON)."""
+
+    def __init__(self, name: str, level: int, original):
+        self.logger = logging.getLogger(name)
+        self.level = level
+        self.original = original
+        self._local = threading.local()  # each thread's unended line: threads' prints do not mix
+
+    def write(self, text: str) -> int:
+        local = self._local
+        if getattr(local, "writing", False):  # logging's own complaint about a failed write
+            return self.original.write(text)
+        pending = getattr(local, "pending", "") + text
+        *lines, pending = pending.split("\n")
+        while len(pending) > PRINTED_PIECE_CHARS:
+            lines.append(pending[:PRINTED_PIECE_CHARS])
+            pending = pending[PRINTED_PIECE_CHARS:]
+        local.pending = pending
+        local.writing = True
+        try:
+            for line in lines:
+                for start in range(0, max(len(line), 1), PRINTED_PIECE_CHARS):
+                    self._log(line[start : start + PRINTED_PIECE_CHARS].rstrip("\r"))
+        finally:
+            local.writing = False
+        return len(text)
+
+    def _log(self, line: str) -> None:
+        # handle(), not log(): what is printed is not dropped under LOG_LEVEL, as it is not in text.
+        logger = self.logger
+        logger.handle(logger.makeRecord(logger.name, self.level, "", 0, "%s", (line,), None))
+
+    def flush(self) -> None:
+        if getattr(self._local, "pending", ""):
+            self.write("\n")
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.original.fileno()
+
+    @property  # read-only in io's base class, whatever typeshed says
+    def encoding(self):  # type: ignore[override]
+        return self.original.encoding
+
+    @property
+    def buffer(self):  # bytes written there go out raw, as from C code
+        return self.original.buffer
+
+
+def _unwrapped(stream):
+    return stream.original if isinstance(stream, Printed) else stream
+
+
+def _log_what_python_prints() -> None:
+    logging.captureWarnings(True)
+    for name, level in (("stdout", logging.INFO), ("stderr", logging.WARNING)):
+        if not isinstance(getattr(sys, name), Printed):
+            setattr(sys, name, Printed(name, level, getattr(sys, name)))

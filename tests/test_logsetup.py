@@ -1,6 +1,9 @@
 """plumbing/logsetup.py: the fork server sets the workers' log level once, for all of them."""
 
+import json
 import logging
+import sys
+import warnings
 
 import pytest
 
@@ -11,7 +14,10 @@ from plumbing import logsetup
 def root_logger():
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    streams = sys.stdout, sys.stderr
     yield root
+    sys.stdout, sys.stderr = streams
+    logging.captureWarnings(False)
     root.handlers[:] = handlers
     root.setLevel(level)
 
@@ -55,3 +61,40 @@ def test_a_traceback_carrying_megabytes_is_cut_to_its_ends(root_logger, capsys, 
     assert len(written) < 20_000
     assert "Traceback (most recent call last)" in written and "ValueError: row row" in written
     assert "characters left out" in written
+
+
+def test_under_json_what_python_prints_comes_out_as_json_objects(root_logger, capsys):
+    logsetup.setup("worker", "warning", "json")
+    print("a model's print")
+    print("no end yet", end="")
+    print(" and its end")
+    sys.stderr.write("two lines\nat once\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a framework's warning", stacklevel=1)
+    written = capsys.readouterr()
+    assert written.out == ""
+    entries = [json.loads(line) for line in written.err.splitlines()]
+    said = [(e["logger"], e["level"], e["message"]) for e in entries]
+    assert said[:4] == [
+        ("stdout", "info", "a model's print"),  # not dropped under LOG_LEVEL=warning: printed as in text
+        ("stdout", "info", "no end yet and its end"),
+        ("stderr", "warning", "two lines"),
+        ("stderr", "warning", "at once"),
+    ]
+    assert said[4][0] == "py.warnings" and "a framework's warning" in said[4][2]
+
+
+def test_a_line_never_ended_comes_out_in_pieces(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")
+    for _ in range(3):
+        sys.stdout.write("x" * logsetup.PRINTED_PIECE_CHARS)
+    entries = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [len(e["message"]) for e in entries] == [logsetup.PRINTED_PIECE_CHARS] * 2
+
+
+def test_setting_up_again_does_not_wrap_the_streams_twice(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")  # the fork server's
+    logsetup.setup("worker", "info", "json")  # its worker's
+    print("once")
+    assert [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines()] == ["once"]

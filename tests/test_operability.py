@@ -224,12 +224,34 @@ def test_failed_and_refused_loads_count_as_failed_and_not_as_unloads(ops):
     assert sample_or_zero(after, "mesh_unloads_total") == sample_or_zero(before, "mesh_unloads_total")
 
 
+# Writes as model code does: print(), a warning, stderr.
+PRINTING = """
+    import sys, warnings
+    import numpy as np
+
+    print("printed at load")
+    warnings.warn("warned at load")
+
+    class Model:
+        def __init__(self, path):
+            pass
+
+        def predict(self, inputs):
+            sys.stderr.write("written to stderr\\n")
+            return {"y": np.array([1.0], dtype=np.float32)}
+"""
+
+
 def test_json_logs_one_object_per_line_with_model_id():
     with Runtime(LOG_FORMAT="json") as runtime:
-        runtime.load("logged", runtime.model_dir("logged"))
+        runtime.load("logged", runtime.model_dir("logged", PRINTING))
+        runtime.infer_fp32("logged", [1.0])
         runtime.unload("logged")
         time.sleep(0.2)
         entries = [json.loads(line) for line in runtime.log().splitlines() if line.strip()]
+    messages = {e["message"] for e in entries}
+    assert {"printed at load", "written to stderr"} <= messages
+    assert any("warned at load" in message for message in messages)
     loaded = [e for e in entries if e.get("model_id") == "logged" and e["message"].startswith("loaded")]
     assert loaded and {"time", "level", "role", "pid"} <= set(loaded[0])
     assert any(e["message"].startswith("logged unloaded") for e in entries)
