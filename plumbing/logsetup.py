@@ -2,9 +2,10 @@
 
 Text: one line per event. LOG_FORMAT=json: one JSON object per line with
 time, level, process role, pid, message, and model_id when the event concerns
-a model (pass it as `extra={"model_id": ...}`). Under json, what Python code
-prints (model code's print(), warnings, tracebacks Python writes to stderr)
-comes out as JSON objects too; what C code writes straight to fds 1 and 2 does not.
+a model (pass it as `extra={"model_id": ...}`; in a worker, records that name
+none name the model the thread runs). Under json, what Python code prints
+(model code's print(), warnings, tracebacks Python writes to stderr) comes out
+as JSON objects too; what C code writes straight to fds 1 and 2 does not.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import os
 import sys
 import threading
 import time
+
+# In a worker, the model whose code this thread runs (workers/loop.py mark_running()): the
+# model_id of records that name none, such as those of the model's own loggers and prints.
+running = threading.local()
 
 # A traceback in the log keeps its first and last characters: an exception may carry megabytes
 # (model code raising with a data frame in its message), written again on every failed call.
@@ -54,7 +59,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        model_id = getattr(record, "model_id", None)
+        model_id = getattr(record, "model_id", None) or getattr(running, "model_id", None)
         if model_id is not None:
             entry["model_id"] = model_id
         if record.exc_info:

@@ -98,3 +98,17 @@ def test_setting_up_again_does_not_wrap_the_streams_twice(root_logger, capsys):
     logsetup.setup("worker", "info", "json")  # its worker's
     print("once")
     assert [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines()] == ["once"]
+
+
+def test_records_that_name_no_model_name_the_one_this_thread_runs(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")
+    logsetup.running.model_id = "m"
+    try:
+        logging.getLogger("a_model_s_own").info("from its code")
+        print("printed by it")
+        logging.getLogger("mesh.worker").info("about another", extra={"model_id": "other"})
+    finally:
+        logsetup.running.model_id = None
+    logging.getLogger("mesh.worker").info("between calls")
+    entries = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [e.get("model_id") for e in entries] == ["m", "m", "other", None]

@@ -249,9 +249,9 @@ def test_json_logs_one_object_per_line_with_model_id():
         runtime.unload("logged")
         time.sleep(0.2)
         entries = [json.loads(line) for line in runtime.log().splitlines() if line.strip()]
-    messages = {e["message"] for e in entries}
-    assert {"printed at load", "written to stderr"} <= messages
-    assert any("warned at load" in message for message in messages)
+    printed = {e["message"]: e.get("model_id") for e in entries if e["logger"] in ("stdout", "stderr")}
+    assert printed == {"printed at load": "logged", "written to stderr": "logged"}
+    assert any("warned at load" in e["message"] and e.get("model_id") == "logged" for e in entries)
     loaded = [e for e in entries if e.get("model_id") == "logged" and e["message"].startswith("loaded")]
     assert loaded and {"time", "level", "role", "pid"} <= set(loaded[0])
     assert any(e["message"].startswith("logged unloaded") for e in entries)

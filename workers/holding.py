@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from plumbing import heap, lifeline, priority, titles, yielding
+from plumbing import heap, lifeline, logsetup, priority, titles, yielding
 from plumbing.lifeline import Identity
 from plumbing.shmblocks import BlockNotes
 from workers import formats, protocol
@@ -146,14 +146,17 @@ class Holdings:
         return self._as_made_by(model_id, _noting_helpers, format_name, path)
 
     def _as_made_by(self, model_id: str, load: Callable[[str, str], T], format_name: str, path: str) -> T:
-        """load(format_name, path) on this thread, the shared-memory blocks it makes noted as the model's."""
-        if self.blocks is None:
-            return load(format_name, path)
-        self.blocks.made_by(model_id)
+        """load(format_name, path) on this thread, the shared-memory blocks it makes and the log
+        records it writes noted as the model's."""
+        logsetup.running.model_id = model_id
+        if self.blocks is not None:
+            self.blocks.made_by(model_id)
         try:
             return load(format_name, path)
         finally:
-            self.blocks.made_by(None)
+            logsetup.running.model_id = None
+            if self.blocks is not None:
+                self.blocks.made_by(None)
 
     def drop(self, header: dict, payloads: list) -> list:
         model_id = header["model_id"]

@@ -43,7 +43,7 @@ from typing import Any
 
 import zmq
 
-from plumbing import heap, lifeline
+from plumbing import heap, lifeline, logsetup
 from plumbing.shmblocks import BlockNotes
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
@@ -109,10 +109,11 @@ class Worker:
                 return
 
     def mark_running(self, model_id: str | None, main_thread: bool = False) -> None:
-        """Says which model's code this thread runs now (None: none): to the shared-memory blocks
-        it may make, and in the beat file for a pack's main thread. Call threads mark nothing there
-        (several models may run at once); beside them the main thread still marks its own loads and
-        drops (`main_thread`)."""
+        """Says which model's code this thread runs now (None: none): to its log records, to the
+        shared-memory blocks it may make, and in the beat file for a pack's main thread. Call
+        threads mark nothing there (several models may run at once); beside them the main thread
+        still marks its own loads and drops (`main_thread`)."""
+        logsetup.running.model_id = model_id
         if self.blocks is not None:
             self.blocks.made_by(model_id)
         if self.models.packed and (self.pool is None or main_thread):
