@@ -15,7 +15,7 @@ from plumbing import lifeline
 from protos import grpc_predict_v2_pb2 as v2
 from protos import wire
 from runtime.beats import BeatFile
-from workers import protocol
+from workers import protocol, raised
 from workers.holding import Held
 from workers.loop import Worker
 
@@ -380,3 +380,33 @@ def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(w
     send_call(worker, router, 2)
     worker.receive_queued()
     assert slept == [0.001] and handled == [1, 1]
+
+
+def test_a_model_raising_in_every_call_is_logged_once_a_while_with_a_count(worker, caplog, monkeypatch):
+    boom = v2.ModelInferRequest(model_name="m")
+    boom.inputs.add(name="boom", datatype="FP32", shape=[1]).contents.fp32_contents.append(1)
+    with caplog.at_level("ERROR", logger="mesh.worker"):
+        for _ in range(5):
+            assert call(worker, boom.SerializeToString())[0]["error"] == protocol.ERROR_MODEL
+        monkeypatch.setattr(raised, "REPEAT_SECONDS", 0.0)
+        call(worker, boom.SerializeToString())
+    said = [(r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert said == [
+        ("model m raised while serving " + protocol.METHOD_INFER, True),
+        (
+            "model m raised while serving " + protocol.METHOD_INFER + "; 4 calls raised ZeroDivisionError "
+            "since it was last logged",
+            True,
+        ),
+    ]
+
+
+def test_another_kind_of_exception_is_logged_at_once(worker, caplog):
+    boom = v2.ModelInferRequest(model_name="m")
+    boom.inputs.add(name="boom", datatype="FP32", shape=[1]).contents.fp32_contents.append(1)
+    with caplog.at_level("ERROR", logger="mesh.worker"):
+        call(worker, boom.SerializeToString())
+        hold(worker, None)
+        worker.models.by_id = {"m": Held("m", "python", object(), False)}  # predict: AttributeError
+        call(worker, raw_request())
+    assert [r.exc_info[0] for r in caplog.records] == [ZeroDivisionError, AttributeError]

@@ -51,6 +51,7 @@ from workers import batching, protocol, responses, rings, v2
 from workers.beatslot import BeatSlot
 from workers.frontwatch import FrontWatch
 from workers.holding import Held, Holdings
+from workers.raised import RaisedLog
 
 log = logging.getLogger("mesh.worker")
 
@@ -86,6 +87,7 @@ class Worker:
             self.waiter.add(self.replies)
             self.thread_sockets = threading.local()
         self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
+        self.raised = RaisedLog()
 
     def serve(self) -> None:
         for request in v2.sample_requests():  # its first call then finds the pages it writes copied
@@ -298,9 +300,7 @@ class Worker:
         except _Unimplemented as error:
             return [protocol.error_reply(request_id, protocol.ERROR_UNIMPLEMENTED, str(error))]
         except BaseException as error:  # sys.exit() and the like in model code fail its call alone
-            log.exception(
-                "model %s raised while serving %s", held.model_id, method, extra={"model_id": held.model_id}
-            )
+            self.raised.note(held.model_id, method, error)
             return [protocol.error_reply(request_id, protocol.ERROR_MODEL, protocol.described(error))]
 
     def _dispatch(self, held: Held, request_id: int, method: str, request) -> list:
