@@ -129,3 +129,13 @@ def test_a_pack_loads_custom_models_giving_way_and_a_worker_of_its_own_does_not(
     assert signal.getsignal(yielding.GIVE_WAY_SIGNAL) is handler_before, "it stops with the load"
     assert not gave_way("python", pack=False), "a worker of its own has no neighbours to give way to"
     assert not gave_way("sklearn", pack=True), "a framework pack loads at idle priority instead"
+
+
+def test_a_failed_load_is_logged_with_where_in_the_model_s_code_it_failed(tmp_path, caplog):
+    source = (
+        "def read_config(path):\n    return open(path + '/config.json').read()\n\n\nread_config('/nowhere')\n"
+    )
+    with caplog.at_level("WARNING"):
+        load(Holdings(batch_max=1), "b", write_model(str(tmp_path / "broken"), source), pack=False)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("load of b failed")]
+    assert record.exc_info is not None and "in read_config" in caplog.text

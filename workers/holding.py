@@ -103,8 +103,11 @@ class Holdings:
             model, helpers, servers = self._load(model_id, header["format"], header["path"])
         except BaseException as error:  # sys.exit() and the like in a constructor fail the load alone
             failure = protocol.described(error)
+            # With its traceback, which says where in the model's code: the message alone may not.
+            log.warning(
+                "load of %s failed: %s", model_id, failure, exc_info=True, extra={"model_id": model_id}
+            )
         if failure is not None:  # out of the except block: its traceback holds what the load made
-            log.warning("load of %s failed: %s", model_id, failure, extra={"model_id": model_id})
             self._after_change(collect=True)  # what the failed load left goes back before measuring
             self._unlink_blocks_of(model_id)
             self._title()
