@@ -66,3 +66,7 @@ class Model:
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY
+
+    def end_told(self) -> str:
+        """Its end, as the log tells it: as for mesh_unloads_total, a failed load is no unload."""
+        return f"{self.model_id} unloaded" if self.was_ready else f"{self.model_id} gone, its load unfinished"

@@ -359,7 +359,7 @@ class Supervisor:
         if not model.gone.done():
             model.gone.set_result(None)
         self.pool.heap.note()  # a packed model's unload reaps no worker, whose exit would note it
-        log.info("%s unloaded; its memory is back", model.model_id, extra={"model_id": model.model_id})
+        log.info("%s; its memory is back", model.end_told(), extra={"model_id": model.model_id})
 
     # -- healing (runtime/healing.py) -------------------------------------------------
 

@@ -104,7 +104,9 @@ def test_a_load_makes_the_model_ready_with_its_measured_size_and_is_idempotent()
     assert sup.pool.heap.notes == 1, "the load asks the front to give back what it freed meanwhile"
 
 
-def test_a_failed_load_answers_only_once_its_worker_is_gone():
+def test_a_failed_load_answers_only_once_its_worker_is_gone(caplog):
+    caplog.set_level("INFO", logger="mesh.supervisor")
+
     async def scenario():
         sup = supervisor()
         sup.pool.answer_load = lambda worker: {"ok": False, "error": "load", "message": "SyntaxError: x"}
@@ -117,6 +119,8 @@ def test_a_failed_load_answers_only_once_its_worker_is_gone():
     worker = sup.pool.taken[0]
     assert worker.state is WorkerState.EXITED and worker.kill_cause is KillCause.UNLOAD
     assert not sup.is_known("m")
+    assert "m unloaded" not in caplog.text, "a model never loaded is not unloaded"
+    assert "m gone, its load unfinished; its memory is back" in caplog.text
 
 
 def test_a_load_past_its_timeout_is_deadline_exceeded_and_its_worker_killed():
