@@ -154,6 +154,9 @@ class Printed(io.TextIOBase):
     def buffer(self):  # bytes written there go out raw, as from C code
         return self.original.buffer
 
+    def __getattr__(self, name: str):  # the rest of a real stream's (name, reconfigure(), ...)
+        return getattr(self.original, name)
+
 
 def _unwrapped(stream):
     return stream.original if isinstance(stream, Printed) else stream

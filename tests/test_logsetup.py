@@ -112,3 +112,9 @@ def test_records_that_name_no_model_name_the_one_this_thread_runs(root_logger, c
     logging.getLogger("mesh.worker").info("between calls")
     entries = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert [e.get("model_id") for e in entries] == ["m", "m", "other", None]
+
+
+def test_printed_streams_answer_what_a_real_stream_answers(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")
+    sys.stdout.reconfigure(line_buffering=True)  # as some libraries do at import
+    assert sys.stdout.line_buffering and not sys.stdout.isatty()
