@@ -11,10 +11,29 @@ import pytest
 from harness import Runtime, alive, wait_until
 from test_formats import make_examples
 
-from plumbing import lifeline
+from plumbing import lifeline, logsetup, titles
 from runtime import forkserver
+from workers import protocol
 
 PRELOAD = ("numpy", "sklearn")
+
+
+@pytest.fixture(autouse=True)
+def environment_restored(monkeypatch):
+    """ForkServers sets the environment a fork server reads as it starts in this very process: put
+    back, or a later import of workers.preload here would preload what a test asked for (one kills
+    the process that imports it)."""
+    for name in (
+        protocol.PRELOAD_ENV,
+        protocol.FORKSERVER_GROUP_ENV,
+        titles.RUNTIME_DIR_ENV,
+        logsetup.LOG_ENV,
+    ):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:  # recorded as unset by the setenv, so that the undo removes what the test set
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
 
 
 class Records:
