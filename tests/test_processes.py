@@ -428,7 +428,9 @@ def test_a_packed_model_whose_load_starts_processes_moves_out_and_what_it_starte
         open(os.path.join(folder, "fail"), "w").close()
         expect_status(grpc.StatusCode.FAILED_PRECONDITION, runtime.load, "failing", folder)
         assert all(map(_ended, _pids_in(folder, "forked.pid", "executed.pid")))
-        assert pack.is_running() and runtime.infer_fp32("neighbour", [1.0]).outputs
+        # The pack lives on, or was recycled for what the failed load and helped's copy kept in all.
+        assert pack.is_running() or "the failed load of failing left" in runtime.log()
+        assert runtime.infer_fp32("neighbour", [1.0]).outputs
 
 
 # A model whose load starts a helper with multiprocessing's forkserver context: the first such load in
