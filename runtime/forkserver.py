@@ -16,9 +16,14 @@ in WORKER_PRELOAD (such a worker imports the framework itself).
 
 multiprocessing has one fork server per process and offers no public call to
 run another, learn its pid or stop it. Each ForkServer here is an instance of
-its class, and a start is pointed at the right one by swapping the module's
-connect function for the duration of Process.start(): every start happens on
-the pool's one spawner thread, so no two swaps overlap.
+its class. multiprocessing's module-level connect function, which
+Process.start() calls, is replaced once by one that goes to the fork server
+the calling thread names (`_here`): starts from different fork servers run at
+once, each on its own thread (runtime/spawning.py), and one that waits for
+its fork server's import holds up no other. A fork server that starts reads
+its settings from os.environ, which the whole process shares: those are set,
+and the fork server started, under one lock. That start is a fork and an exec;
+the import it then runs, the long part, is outside the lock.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ FRAMEWORKS = frozenset(fmt.framework for fmt in formats.FORMATS if fmt.framework
 # another copy of that stack (docs/density.md).
 FAMILIES = (("sklearn", "xgboost", "lightgbm"),)
 
+_here = threading.local()  # .server: the fork server that a start on this thread goes to
+_environ = threading.Lock()  # held while a fork server's settings are in os.environ and it starts
+_default_connect = multiprocessing.forkserver.connect_to_new_process
+
 
 def group_for(format_name: str, preload: tuple[str, ...]) -> str:
     """The fork server for workers of `format_name`: its framework's if preloaded, else the base one.
@@ -70,11 +79,33 @@ def group_for(format_name: str, preload: tuple[str, ...]) -> str:
     return "+".join(member for member in family if member in preload)
 
 
-class ForkServers:
-    """The fork servers of one pool. Call every method from the spawner thread only.
+def _connect_here(fds):
+    """multiprocessing's connect_to_new_process, sent to the fork server this thread's start names."""
+    server = getattr(_here, "server", None)
+    return (server.connect_to_new_process if server is not None else _default_connect)(fds)
 
-    That thread is also the fork servers' parent thread, so their parent-death
-    signal (workers/preload.py) fires if it ends.
+
+class _GroupServer(multiprocessing.forkserver.ForkServer):
+    """multiprocessing's fork server, started (here, or by multiprocessing when the one before
+    died) with its group's settings in os.environ, where it reads them as it starts."""
+
+    def __init__(self, environment: dict[str, str]):
+        super().__init__()
+        self.set_forkserver_preload(["workers.preload"])
+        self._environment = environment
+
+    def ensure_running(self) -> None:
+        with _environ:
+            os.environ.update(self._environment)
+            super().ensure_running()
+
+
+class ForkServers:
+    """The fork servers of one pool. Its methods may be called from several threads: a group's
+    starts from a thread of its own, the rest from the pool's.
+
+    The thread that starts a fork server is its parent thread, whose end fires its parent-death
+    signal (workers/preload.py): every such thread must live as long as the pool.
     """
 
     def __init__(
@@ -97,6 +128,10 @@ class ForkServers:
         # still be importing what it preloads, which takes far longer than a fork.
         self._forked: dict[str, tuple[int, int] | None] = {}
         self._dead: set[tuple[int, int]] = set()  # the identities of those that died, reaped
+        # Held while a group's fork server is looked at and started again, and while its pid is
+        # noted: a start of its worker and a reap of another may both find it dead.
+        self._books = threading.RLock()
+        multiprocessing.forkserver.connect_to_new_process = _connect_here
 
     def groups(self) -> tuple[str, ...]:
         """The base fork server, then one per framework (or family of them) in WORKER_PRELOAD."""
@@ -147,20 +182,22 @@ class ForkServers:
         return status.describe_exit(ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status)
 
     def _server(self, group: str) -> multiprocessing.forkserver.ForkServer:
-        """The group's fork server, made if need be, with the environment it reads as it starts."""
-        server = self._servers.get(group)
-        if server is None:
-            server = self._servers[group] = multiprocessing.forkserver.ForkServer()
-            server.set_forkserver_preload(["workers.preload"])
-        # Read by the fork server as it starts, here or when multiprocessing
-        # restarts one that died.
-        os.environ[protocol.PRELOAD_ENV] = ",".join(self.preload_of(group))
-        os.environ[protocol.FORKSERVER_GROUP_ENV] = group
-        os.environ[titles.RUNTIME_DIR_ENV] = self._runtime_dir  # for the fork server's title
-        # The fork server sets the workers' log level once for all of them: set in
-        # each worker, it would copy every logger's page (plumbing/logsetup.py).
-        os.environ[logsetup.LOG_ENV] = " ".join(self._log_settings)
-        return server
+        """The group's fork server, made if need be."""
+        with self._books:
+            if (server := self._servers.get(group)) is None:
+                server = self._servers[group] = _GroupServer(self._environment_of(group))
+            return server
+
+    def _environment_of(self, group: str) -> dict[str, str]:
+        """What the group's fork server reads from os.environ as it starts."""
+        return {
+            protocol.PRELOAD_ENV: ",".join(self.preload_of(group)),
+            protocol.FORKSERVER_GROUP_ENV: group,
+            titles.RUNTIME_DIR_ENV: self._runtime_dir,  # for the fork server's title
+            # The fork server sets the workers' log level once for all of them: set in
+            # each worker, it would copy every logger's page (plumbing/logsetup.py).
+            logsetup.LOG_ENV: " ".join(self._log_settings),
+        }
 
     def start_process(self, group: str, process: multiprocessing.process.BaseProcess) -> int:
         """Forks `process` from the group's fork server, starting that first if need be; its pid."""
@@ -169,13 +206,12 @@ class ForkServers:
         self.revive_if_dead(group, self._identities.get(group))
         server = self._server(group)
         limit = self.fork_limit(group)
-        default_connect = multiprocessing.forkserver.connect_to_new_process
-        multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
+        _here.server = server
         try:
             with _killed_if_longer(server, limit, f"the {group} fork server forked no worker"):
                 process.start()
         finally:
-            multiprocessing.forkserver.connect_to_new_process = default_connect
+            _here.server = None
         self._note_pid(group, server)
         self._forked[group] = self._identities.get(group)
         forget(process)
@@ -212,6 +248,10 @@ class ForkServers:
         then."""
         if identity is None:  # not known: a fork server that died as it started
             return False
+        with self._books:
+            return self._revive(group, identity)
+
+    def _revive(self, group: str, identity: tuple[int, int]) -> bool:
         if identity in self._dead:
             return True
         if self._identities.get(group) != identity or not lifeline.is_exiting(identity):
@@ -242,7 +282,10 @@ class ForkServers:
             _stop_within(helper, STOP_SECONDS)
 
     def _note_pid(self, group: str, server: multiprocessing.forkserver.ForkServer) -> None:
-        pid = getattr(server, "_forkserver_pid", None)
+        with self._books:
+            self._note_pid_held(group, getattr(server, "_forkserver_pid", None))
+
+    def _note_pid_held(self, group: str, pid: int | None) -> None:
         if pid is None:
             log.warning("cannot find the %s fork server's pid: a later front could not purge it", group)
         elif self._pids.get(group) != pid:
@@ -283,8 +326,8 @@ def _stop_within(helper, seconds: float) -> None:
 @contextlib.contextmanager
 def _killed_if_longer(server: multiprocessing.forkserver.ForkServer, seconds: float, what: str):
     """SIGKILL to the fork server if the block runs longer than `seconds`. multiprocessing waits
-    for a fork server's answer with no limit: a stopped or hung one would hold the spawner thread,
-    every worker start behind it and the front's stop for good; killed, the wait ends (EOFError).
+    for a fork server's answer with no limit: a stopped or hung one would hold its start thread,
+    every worker start of its group behind it and the front's stop for good; killed, the wait ends (EOFError).
     Its pid is read when the timer fires: a start may have begun by starting it."""
 
     def kill() -> None:
