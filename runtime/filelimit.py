@@ -70,8 +70,9 @@ def raise_soft_limit() -> int:
     return target
 
 
-def room_for_a_worker(workers: int) -> bool:
-    """True while the front, running `workers` workers, can open another one and keep the reserve."""
+def room_for_a_worker(workers: int, starting: int = 0) -> bool:
+    """True while the front, running `workers` workers, can open another one and keep the reserve.
+    `starting` of those are on their way, and may not have opened their descriptors yet."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return True
@@ -80,7 +81,7 @@ def room_for_a_worker(workers: int) -> bool:
     estimate = BASE_DESCRIPTORS + DESCRIPTORS_PER_WORKER * (workers + 1) + RESERVED_DESCRIPTORS
     if 2 * estimate <= soft:
         return True
-    return open_descriptors() + DESCRIPTORS_PER_WORKER + RESERVED_DESCRIPTORS <= soft
+    return open_descriptors() + DESCRIPTORS_PER_WORKER * (starting + 1) + RESERVED_DESCRIPTORS <= soft
 
 
 def open_descriptors() -> int:

@@ -95,18 +95,22 @@ class Spares:
                     return worker
         return None
 
-    def group_short(self, starting: collections.Counter[str]) -> str | None:
-        """A fork server to fork a spare from next: first those callers wait for, in their order,
-        then any in use with fewer than `warm` ready or `starting`; None when all are covered."""
+    def group_short(
+        self, starting: collections.Counter[str], skip: frozenset[str] = frozenset()
+    ) -> str | None:
+        """A fork server to fork a spare from next, but those in `skip`: first those callers wait
+        for, in their order, then any with fewer than `warm` ready or `starting`; None when all
+        are covered. No spare is kept warm while callers of a fork server in `skip` are short of
+        one: it could take the last room under the cap that they need."""
 
         def short(group: str, wanted: int) -> bool:
             return len(self._idle.get(group, ())) + starting[group] < wanted
 
-        for group, _ in self._waiters:
-            if short(group, self.waiting(group)):
-                return group
+        waited_for = [group for group, _ in self._waiters if short(group, self.waiting(group))]
+        if waited_for:
+            return next((group for group in waited_for if group not in skip), None)
         for group in self._idle:
-            if short(group, self.warm + self.waiting(group)):
+            if group not in skip and short(group, self.warm + self.waiting(group)):
                 return group
         return None
 

@@ -27,11 +27,14 @@ TASKS_PER_WORKER = 3
 RESERVED_TASKS = 16
 
 
-def room_for_a_worker(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> bool:
+def room_for_a_worker(
+    cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP, *, starting: int = 0
+) -> bool:
     """True unless a pids cgroup of this process, or one above it, is within a worker and the
-    reserve of its pids.max."""
+    reserve of its pids.max; also within the tasks of `starting` workers on their way, which may
+    not have started them yet."""
     left = tasks_left(cgroup_root, self_cgroup)
-    return left is None or left >= TASKS_PER_WORKER + RESERVED_TASKS
+    return left is None or left >= TASKS_PER_WORKER * (starting + 1) + RESERVED_TASKS
 
 
 def shortage(cgroup_root: str = CGROUP_ROOT, self_cgroup: str = cgroups.SELF_CGROUP) -> str | None:

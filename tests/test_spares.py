@@ -1,6 +1,7 @@
 """The line of callers waiting for a spare: who is served, who is refused."""
 
 import asyncio
+import collections
 import os
 import subprocess
 import sys
@@ -54,3 +55,24 @@ def test_a_spare_that_died_and_is_not_reaped_yet_is_not_handed_out():
 
     living, first, second = asyncio.run(scenario())
     assert first is living and second is None
+
+
+def test_a_fork_server_starting_a_worker_is_passed_over_and_no_spare_is_kept_warm_before_its_callers():
+    async def scenario():
+        spares = Spares(warm=1, groups=("base", "torch", "onnx"))
+        waits = [asyncio.ensure_future(spares.wait(group)) for group in ("torch", "torch", "base")]
+        await asyncio.sleep(0)
+        busy = frozenset({"torch"})  # its start (one of two wanted) is under way
+        starting = collections.Counter(torch=1)
+        first = spares.group_short(starting, busy)  # the next caller's fork server
+        waits[2].cancel()
+        await asyncio.sleep(0)
+        # Callers of the busy fork server still short: no spare kept warm takes their room.
+        held = spares.group_short(starting, busy)
+        for wait in waits[:2]:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+        return first, held, spares.group_short(collections.Counter(), frozenset({"base"}))
+
+    first, held, warm = asyncio.run(scenario())
+    assert (first, held, warm) == ("base", None, "torch")

@@ -35,6 +35,14 @@ def test_the_tightest_limit_of_the_cgroup_and_those_above_it_counts_v2(tmp_path)
     assert tasklimit.room_for_a_worker(str(root), cgroup_file)
 
 
+def test_workers_on_their_way_count_as_if_their_tasks_had_started(tmp_path):
+    root = tmp_path / "cg"
+    write_tree(root, {"pod/pids.max": "100\n", "pod/pids.current": "75\n"})  # 25 left
+    cgroup_file = self_cgroup(tmp_path, "0::/pod\n")
+    assert tasklimit.room_for_a_worker(str(root), cgroup_file, starting=2)  # 3 x 3 + 16
+    assert not tasklimit.room_for_a_worker(str(root), cgroup_file, starting=3)
+
+
 def test_v1_and_a_container_that_sees_only_its_own_cgroup(tmp_path):
     root = tmp_path / "cg"
     # The path /proc/self/cgroup names is not there: the hierarchy's top is the container's cgroup.
