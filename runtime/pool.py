@@ -1,4 +1,4 @@
-"""Worker processes: the fork server, warm spares, spawning, killing and reaping.
+"""Worker processes: the fork servers, warm spares, killing and reaping.
 
 The pool is the only owner of the worker socket (runtime/channel.py) and the only place that changes a
 worker's state or kills one (`kill()`, with a KillCause that also names the metric label). What the rest of
@@ -8,8 +8,9 @@ Every worker is forked by one of multiprocessing's fork servers, one per framewo
 (runtime/forkserver.py), which imported numpy, those frameworks and the worker code once (workers/preload.py),
 so a new worker starts in milliseconds with a few MiB of its own memory. Each fork server keeps WORKERS_WARM
 idle spares connected (runtime/spares.py): `take()` hands out one of the model's fork server, a background
-refill forks the next. The pool owns the beat file (runtime/beats.py): a slot per worker, till reaped. Only
-the spawner thread touches multiprocessing.Process objects: a start talks to the fork server and blocks.
+refill forks the next (runtime/spawning.py, a thread per fork server). The pool owns the beat file
+(runtime/beats.py): a slot per worker, till reaped. The pool's own thread runs what blocks beside the starts:
+reaps, and the fork servers' start and stop.
 
 A worker's death is seen at once, never by polling: the event loop watches its process sentinel (a pipe the
 fork server writes the exit code to once it has reaped the child). `Worker.exited` resolves only then, so
@@ -19,16 +20,11 @@ fork server writes the exit code to once it has reaped the child). `Worker.exite
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
-import itertools
 import logging
-import multiprocessing
 import signal
 import time
 
-import workers.main
 from runtime import filelimit, forkserver, heartbeat, oomkills, status, tasklimit
 from runtime.beats import BeatFile
 from runtime.channel import Channel, PeerGone
@@ -36,15 +32,11 @@ from runtime.heaptrim import QuietTrimmer
 from runtime.leftovers import ProcessRegistry
 from runtime.settings import Settings
 from runtime.spares import Spares
+from runtime.spawning import Spawner
 from runtime.worker import KillCause, Worker, WorkerState
-from runtime.workerconfig import worker_config
 from workers import protocol
 
 log = logging.getLogger("mesh.pool")
-
-SPAWN_TIMEOUT = 30.0
-SPAWN_RETRY_SECONDS = 1.0  # after a failed start; doubled per failure in a row, up to the cap
-SPAWN_BACKOFF_CAP_SECONDS = 30.0
 
 
 class WorkerPool:
@@ -61,22 +53,19 @@ class WorkerPool:
         self.beats = BeatFile(settings.runtime_dir)
         self.ready = False
         self._on_worker_exit = on_worker_exit
-        self._context = multiprocessing.get_context("forkserver")
-        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mesh-spawner")
+        # Reaps, and the fork servers' start and stop: it must live as long as the fork servers it starts.
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mesh-reaper")
         log_settings = (settings.log_level, settings.log_format)
         self._forkservers = forkserver.ForkServers(
             settings.worker_preload, settings.runtime_dir, log_settings, records=self.registry
         )
         self._workers: dict[bytes, Worker] = {}
         self._spares = Spares(settings.workers_warm, self._forkservers.groups())
-        self._starting: collections.Counter[str] = collections.Counter()  # workers forked, no hello yet
-        self._ids = itertools.count(1)
+        self._spawner = Spawner(self, self._forkservers, self._spares, self._workers)
         self._tasks: set[asyncio.Task] = set()
-        self._refill_task: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
         self.heap = QuietTrimmer()  # note() whenever the front freed what it held for something
         self._closing = False
-        self._closed = asyncio.Event()  # set by close(): ends a spawn backoff at once
         self._oom_kills = oomkills.OomKills()
 
     # -- start and stop -------------------------------------------------------
@@ -87,25 +76,21 @@ class WorkerPool:
         if purged:
             log.warning("purged %d processes left by an earlier runtime: %s", len(purged), purged)
         self.channel.start()
-        await asyncio.get_running_loop().run_in_executor(self._spawner, self._forkservers.start_all)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._forkservers.start_all)
         self.registry.record_temp_folder()  # multiprocessing made it for their sockets
         silence_limit = self.settings.worker_heartbeat_timeout_ms / 1000
         self._heartbeat = self._background(heartbeat.watch_forever(self, silence_limit), "heartbeat")
-        # A stop before the spares are ready cancels only this wait; close() awaits the refill.
-        self._refill_task = self._background(self._refill(), "refill")
-        await asyncio.shield(self._refill_task)
+        # A stop before the spares are ready cancels only this wait; close() awaits the starts.
+        await self._spawner.fill()
         self.ready = True
         log.info("worker pool ready: %d warm spares", len(self.spares()))
 
     async def close(self) -> list[Worker]:
         """Kills every worker, waits until each is reaped, stops the fork servers; those not seen to exit."""
         self._closing = True
-        self._closed.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        # A spawn under way is let finish (or its hung fork server killed): cancelling could lose a fork.
-        if self._refill_task is not None:
-            await asyncio.gather(self._refill_task, return_exceptions=True)
+        await self._spawner.close()
         workers = list(self._workers.values())
         for worker in workers:
             self.kill(worker, KillCause.SHUTDOWN, "the front is stopping")
@@ -113,13 +98,14 @@ class WorkerPool:
             await asyncio.wait([w.exited for w in workers], timeout=10)
         self.heap.cancel()  # the front is about to exit: that gives everything back
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._spawner, self._forkservers.stop)
+        await loop.run_in_executor(self._thread, self._forkservers.stop)
         # A hung fork server's workers are reaped only once it is gone: it writes their exits.
         if unreaped := [w for w in workers if not w.exited.done()]:
             await asyncio.wait([w.exited for w in unreaped], timeout=forkserver.STOP_SECONDS)
         for worker in (unreaped := [w for w in workers if not w.exited.done()]):
             loop.remove_reader(worker.process.sentinel)  # a reap now would find the beat file closed
-        self._spawner.shutdown(wait=True)
+        self._spawner.stop_threads()
+        self._thread.shutdown(wait=True)
         await self.channel.close()
         self.beats.close()
         return unreaped
@@ -130,16 +116,16 @@ class WorkerPool:
         """A connected idle worker for a model of `format_name`, the caller's (to kill in the end)."""
         group = forkserver.group_for(format_name, self.settings.worker_preload)
         while (worker := self._spares.pop(group)) is None:
-            if self.at_cap() and self._starting[group] == 0 and not self._spares_elsewhere(group):
+            if self.at_cap() and self._spawner.starting[group] == 0 and not self._spares_elsewhere(group):
                 raise status.out_of_workers(self.settings.workers_max, self._os_limit_reached())
-            self._schedule_refill()  # at the cap, it makes room (_refill)
+            self._spawner.schedule()  # at the cap, it makes room (make_room_for)
             await self._spares.wait(group)
         # No refill yet: on two cores a fork now would slow the load this worker is for (see replenish()).
         return worker
 
     def replenish(self) -> None:
         """Forks spares in the background until WORKERS_WARM are ready again."""
-        self._schedule_refill()
+        self._spawner.schedule()
 
     # -- what workers are asked to do -------------------------------------------
 
@@ -234,111 +220,46 @@ class WorkerPool:
     def settled(self) -> bool:
         """Every fork server runs, and has its warm spares or all the cap allows: what the capacity
         counts now is what stays."""
-        spares = self._spares.all_warm() or (self.at_cap() and not any(self._starting.values()))
+        spares = self._spares.all_warm() or (self.at_cap() and not any(self._spawner.starting.values()))
         return self.ready and self._forkservers.all_running() and spares
 
     def revive_forkservers(self) -> None:
-        """Has the spawner thread reap, and start again, a fork server that died with no worker of
+        """Has the pool's thread reap, and start again, a fork server that died with no worker of
         its own to tell (each worker's reap looks at its fork server)."""
         if not self._closing:
-            self._spawner.submit(self._forkservers.revive_dead)
+            self._thread.submit(self._forkservers.revive_dead)
 
-    # -- spawning ---------------------------------------------------------------
+    # -- room for workers ---------------------------------------------------------
 
     def at_cap(self) -> bool:
-        """No other worker may start: WORKERS_MAX of them run, or the open-file limit holds no more."""
+        """No other worker may start: WORKERS_MAX of them run or start, or an OS limit holds no more."""
         cap = self.settings.workers_max
         return (cap > 0 and len(self._workers) >= cap) or self._os_limit_reached() is not None
 
     def _os_limit_reached(self) -> str | None:
-        """The OS limit that holds no other worker ("open-file", "task"), or None."""
-        if not filelimit.room_for_a_worker(len(self._workers)):
+        """The OS limit that holds no other worker ("open-file", "task"), or None. Workers on their
+        way may not have opened their files or started their threads yet: they count as if they had."""
+        starting = sum(self._spawner.starting.values())
+        if not filelimit.room_for_a_worker(len(self._workers), starting):
             return "open-file"
-        return None if tasklimit.room_for_a_worker() else "task"
-
-    def _schedule_refill(self) -> None:
-        if not self._closing and (self._refill_task is None or self._refill_task.done()):
-            self._refill_task = self._background(self._refill(), "refill")
-
-    async def _refill(self) -> None:
-        """Forks workers until every fork server's spares (plus anyone waiting for one) are covered."""
-        failures: collections.Counter[str] = collections.Counter()  # in a row, by fork server
-        while not self._closing:
-            group = self._spares.group_short(self._starting)
-            if group is None:
-                return
-            if self.at_cap():
-                self._make_room_for(group)
-                return
-            try:
-                failures[group] = 0 if await self._spawn_one(group) else failures[group] + 1
-            except Exception:
-                log.exception("could not start a worker of the %s fork server", group)
-                failures[group] += 1
-            if failed := failures[group]:  # workers that die at start must not be forked again at once
-                delay = min(SPAWN_BACKOFF_CAP_SECONDS, SPAWN_RETRY_SECONDS * 2 ** (failed - 1))
-                log.error("%d workers in a row did not start; the next in %.0f s", failed, delay)
-                self._spares.note_failed_starts(group, failed)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closed.wait(), delay)
+        return None if tasklimit.room_for_a_worker(starting=starting) else "task"
 
     def _spares_elsewhere(self, group: str) -> bool:
         """Spares of other fork servers, idle or starting: at the cap, room for one of `group`."""
-        starting = any(count for other, count in self._starting.items() if other != group)
+        starting = any(count for other, count in self._spawner.starting.items() if other != group)
         return starting or self._spares.of_another(group) is not None
 
-    def _make_room_for(self, group: str) -> None:
+    def make_room_for(self, group: str) -> None:
         """At the cap, with callers waiting for one of `group`: ends an idle spare of another group."""
         other = self._spares.of_another(group) if self._spares.waiting(group) else None
         if other is None:  # refused as take() refuses them: no reap may come to end their wait
             error = status.out_of_workers(self.settings.workers_max, self._os_limit_reached())
-            return self._spares.fail_waiters(group, error, served=self._starting[group])
+            return self._spares.fail_waiters(group, error, served=self._spawner.starting[group])
         self.kill(other, KillCause.SURPLUS, f"room for a worker of the {group} fork server")
 
-    async def _spawn_one(self, group: str) -> bool:
-        """Forks one worker of `group`'s fork server; whether it said hello."""
-        identity = f"w{next(self._ids)}".encode()
-        slot = self.beats.allocate()
-        config = worker_config(self.settings, identity, self.channel.address, self.beats.path, slot)
-        process = self._context.Process(
-            target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"
-        )
-        worker = Worker(identity, process, group)
-        worker.beat_slot = slot
-        self._starting[group] += 1
-        # Registered before it starts: its hello may arrive before we resume.
-        self._workers[identity] = worker
-        try:
-            loop = asyncio.get_running_loop()
-            try:
-                start = self._start_process
-                worker.pid, worker.forked_by = await loop.run_in_executor(
-                    self._spawner, start, group, process
-                )
-            except BaseException:
-                self._workers.pop(identity, None)
-                self.beats.free(slot)  # its process did not start
-                raise
-            loop.add_reader(process.sentinel, self._on_sentinel, worker)
-            await asyncio.wait(
-                [worker.ready, worker.exited], timeout=SPAWN_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
-            )
-            if not worker.ready.done() and worker.alive:
-                self.kill(worker, KillCause.NO_HELLO, f"it did not say hello within {SPAWN_TIMEOUT:.0f} s")
-            if worker.ready.done() and worker.state is WorkerState.STARTING:
-                self._spares.add(worker)
-            return worker.ready.done()
-        finally:
-            self._starting[group] -= 1
-
-    def _start_process(
-        self, group: str, process: multiprocessing.process.BaseProcess
-    ) -> tuple[int, tuple[int, int] | None]:
-        """Spawner thread: ask the group's fork server for a child and record it; its pid, and the
-        identity of the fork server that forked it."""
-        pid = self._forkservers.start_process(group, process)
-        self.registry.add(pid)
-        return pid, self._forkservers.identity_of(group)
+    def watch_exit(self, worker: Worker) -> None:
+        """Reaps the worker started now as soon as it exits (its process sentinel)."""
+        asyncio.get_running_loop().add_reader(worker.process.sentinel, self._on_sentinel, worker)
 
     # -- events from workers and the OS ---------------------------------------
 
@@ -357,7 +278,7 @@ class WorkerPool:
 
     async def _reap(self, worker: Worker) -> None:
         loop = asyncio.get_running_loop()
-        code = await loop.run_in_executor(self._spawner, self._collect_exit, worker)
+        code = await loop.run_in_executor(self._thread, self._collect_exit, worker)
         self._workers.pop(worker.identity, None)
         if all(other.pid != worker.pid for other in self._workers.values()):  # its pid is no new worker's
             worker.end_what_it_started()
@@ -375,16 +296,16 @@ class WorkerPool:
         log.info("%r exited (%s)", worker, worker.death_cause or status.describe_exit(code), extra=extra)
         self._on_worker_exit(worker, code)
         self.heap.note()  # what the front held for the worker is free now
-        self._schedule_refill()
+        self._spawner.schedule()
 
     def _collect_exit(self, worker: Worker) -> int | None:
-        """Spawner thread: read the exit code the fork server wrote, free the process object, note
+        """The pool's thread: read the exit code the fork server wrote, free the process object, note
         whether the worker died with its fork server (which is then started again) or for memory."""
         worker.orphaned = not self._closing and self._forkservers.revive_if_dead(
             worker.group, worker.forked_by
         )
         process, pid = worker.process, worker.pid
-        assert pid is not None  # _spawn_one watches the sentinel only once the pid is set
+        assert pid is not None  # watched (watch_exit) only once the pid is set
         process.join(timeout=5)
         code = process.exitcode
         worker.oom_killed = self._oom_kills.claim(code == -signal.SIGKILL and worker.kill_cause is None)
