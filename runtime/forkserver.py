@@ -87,7 +87,9 @@ def _connect_here(fds):
 
 class _GroupServer(multiprocessing.forkserver.ForkServer):
     """multiprocessing's fork server, started (here, or by multiprocessing when the one before
-    died) with its group's settings in os.environ, where it reads them as it starts."""
+    died) with its group's settings in os.environ, where it reads them as it starts. They are
+    taken out again after: nothing else in the front's process, or started from it, may read a
+    group's settings (tests that import workers.preload would import that group's preload)."""
 
     def __init__(self, environment: dict[str, str]):
         super().__init__()
@@ -96,8 +98,16 @@ class _GroupServer(multiprocessing.forkserver.ForkServer):
 
     def ensure_running(self) -> None:
         with _environ:
+            before = {name: os.environ.get(name) for name in self._environment}
             os.environ.update(self._environment)
-            super().ensure_running()
+            try:
+                super().ensure_running()
+            finally:
+                for name, value in before.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
 
 
 class ForkServers:
