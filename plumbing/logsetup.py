@@ -132,9 +132,11 @@ class Printed(io.TextIOBase):
         return len(text)
 
     def _log(self, line: str) -> None:
-        # handle(), not log(): what is printed is not dropped under LOG_LEVEL, as it is not in text.
+        # Not log(): what is printed is not dropped under LOG_LEVEL, as it is not in text. Nor
+        # handle(): a model's logging.config.dictConfig() disables the loggers it does not name,
+        # this one among them, and every print would be lost from then on.
         logger = self.logger
-        logger.handle(logger.makeRecord(logger.name, self.level, "", 0, "%s", (line,), None))
+        logger.callHandlers(logger.makeRecord(logger.name, self.level, "", 0, "%s", (line,), None))
 
     def flush(self) -> None:
         if getattr(self._local, "pending", ""):

@@ -118,3 +118,17 @@ def test_printed_streams_answer_what_a_real_stream_answers(root_logger, capsys):
     logsetup.setup("worker", "info", "json")
     sys.stdout.reconfigure(line_buffering=True)  # as some libraries do at import
     assert sys.stdout.line_buffering and not sys.stdout.isatty()
+
+
+def test_what_is_printed_still_comes_out_once_a_model_configured_logging_its_way(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")
+    # As a model's logging.config.dictConfig() leaves it (disable_existing_loggers, the default):
+    # the loggers it does not name disabled, the root's handler its own, on sys.stdout.
+    disabled = logging.getLogger("stdout")
+    disabled.disabled = True
+    try:
+        root_logger.handlers[:] = [logging.StreamHandler(sys.stdout)]
+        print("printed after it")
+    finally:
+        disabled.disabled = False
+    assert capsys.readouterr().out == "printed after it\n"
