@@ -49,8 +49,11 @@ class Pack:
         """Adds what a drop or a failed load kept (less than 0: it gave back more, heap an earlier
         one kept) to what the pack's drops kept in all, which it returns: each may be under the
         slack, while thousands of them in the pack's life add up to any size. Not floored at 0: a
-        page measured one way or the other would then only ever add up."""
-        self.left_over += kept
+        page measured one way or the other would then only ever add up. Floored at minus the
+        slack: a drop also gives back what the model's calls allocated after its load was
+        measured (a cache built on its first call), and that credit, unbounded, would hide the
+        leftovers of any number of later drops."""
+        self.left_over = max(self.left_over + kept, -RECYCLE_SLACK_BYTES)
         return self.left_over
 
     def give_up_load(self, model_id: str) -> None:

@@ -14,6 +14,7 @@ import types
 from standins import StandInChannel
 
 from runtime import memory, packs
+from runtime.pack import RECYCLE_SLACK_BYTES, Pack
 from runtime.settings import Settings
 from runtime.worker import WorkerState
 
@@ -142,3 +143,11 @@ def test_the_predicted_size_of_a_packed_model_covers_what_it_is_then_charged(mon
     assert second_guess == packs.PACKED_PREDICTION_MIN_BYTES + base_share() + extra
     floors = packs.PREDICTED_BASE_PER_FLOOR * 8000 * KiB
     assert first_guess == packs.PACKED_PREDICTION_MIN_BYTES + floors // PER_PACK + extra
+
+
+def test_what_drops_gave_back_beyond_their_loads_does_not_hide_what_later_drops_keep():
+    pack = Pack(StandInWorker(), "python")
+    for _ in range(4):  # models whose calls cached 4 MiB after their loads were measured, dropped
+        pack.note_left_over(-4096 * KiB)
+    # A drop keeping over twice the slack (heap a model leaves in a module) is a recycle at once.
+    assert pack.note_left_over(2 * RECYCLE_SLACK_BYTES + KiB) > RECYCLE_SLACK_BYTES
