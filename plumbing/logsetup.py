@@ -141,6 +141,9 @@ class Printed(io.TextIOBase):
     def flush(self) -> None:
         if getattr(self._local, "pending", ""):
             self.write("\n")
+        # What went out raw (to .buffer; a handler's write through this stream) is still in the
+        # real stream's buffer, which a worker's os._exit() after this flush would lose.
+        self.original.flush()
 
     def writable(self) -> bool:
         return True

@@ -132,3 +132,12 @@ def test_what_is_printed_still_comes_out_once_a_model_configured_logging_its_way
     finally:
         disabled.disabled = False
     assert capsys.readouterr().out == "printed after it\n"
+
+
+def test_flushing_a_printed_stream_flushes_the_stream_it_stands_for(tmp_path):
+    path = tmp_path / "stdout"
+    with open(path, "w") as real:  # a pipe or a file: block-buffered, unless PYTHONUNBUFFERED
+        printed = logsetup.Printed("stdout", logging.INFO, real)
+        printed.buffer.write(b"bytes written raw\n")
+        printed.flush()
+        assert path.read_bytes() == b"bytes written raw\n"
