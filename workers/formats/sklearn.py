@@ -59,7 +59,7 @@ def load(path: str) -> SklearnModel:
         raise ValueError(
             f"cannot unpickle {file} ({type(error).__name__}: {error}): "
             "is it a scikit-learn model saved with joblib or pickle?"
-        ) from None
+        ) from error  # the logged traceback then shows where the unpickling failed
     if not callable(getattr(estimator, "predict", None)):
         raise TypeError(f"the file holds a {type(estimator).__name__}, which has no predict()")
     model = SklearnModel(estimator)
