@@ -198,8 +198,11 @@ def test_a_models_size_holds_what_its_helper_holds(settings, model):
         assert size >= HELD_MIB * MiB, f"reported {size / MiB:.1f} MiB"
         reported = rt.mesh.modelSize(mm.ModelSizeRequest(modelId="helper"), timeout=30).sizeInBytes
         assert reported >= HELD_MIB * MiB
+        # Each reading with the spares in place: one forked between them would hide part of the drop.
+        rt.settled_uss()
         before = _tree_pss(rt.pid)
         rt.unload("helper")
+        rt.settled_uss()
         assert before - _tree_pss(rt.pid) >= HELD_MIB * MiB  # its helper ended with it
 
 
