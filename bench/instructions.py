@@ -133,6 +133,9 @@ def front(folder: str, calls: int) -> float:
         command_prefix=callgrind(folder, "front"),
         preload_frameworks=True,
         BUSY_POLL_US="0",
+        # valgrind makes the files callgrind_control finds it by in TMPDIR: this script's, not the
+        # runtime's own that the harness gives it.
+        TMPDIR=tempfile.gettempdir(),
         **RUNTIME_ENV,
     )
     try:
