@@ -88,6 +88,7 @@ class Worker:
             self.thread_sockets = threading.local()
         self.handlers = {protocol.OP_LOAD: self.models.load, protocol.OP_DROP: self.models.drop}
         self.raised = RaisedLog()
+        self.names_models_in_logs = logsetup.names_models()
 
     def serve(self) -> None:
         for request in v2.sample_requests():  # its first call then finds the pages it writes copied
@@ -115,7 +116,8 @@ class Worker:
         shared-memory blocks it may make, and in the beat file for a pack's main thread. Call
         threads mark nothing there (several models may run at once); beside them the main thread
         still marks its own loads and drops (`main_thread`)."""
-        logsetup.running.model_id = model_id
+        if self.names_models_in_logs:
+            logsetup.running.model_id = model_id
         if self.blocks is not None:
             self.blocks.made_by(model_id)
         if self.models.packed and (self.pool is None or main_thread):
