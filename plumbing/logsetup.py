@@ -4,8 +4,9 @@ Text: one line per event. LOG_FORMAT=json: one JSON object per line with
 time, level, process role, pid, message, and model_id when the event concerns
 a model (pass it as `extra={"model_id": ...}`; in a worker, records that name
 none name the model the thread runs). Under json, what Python code prints
-(model code's print(), warnings, tracebacks Python writes to stderr) comes out
-as JSON objects too; what C code writes straight to fds 1 and 2 does not.
+(model code's print(), warnings) comes out as JSON objects too, and an uncaught
+exception as one ERROR record with its traceback; what C code writes straight
+to fds 1 and 2 does not.
 """
 
 from __future__ import annotations
@@ -179,3 +180,18 @@ def _log_what_python_prints() -> None:
     for name, level in (("stdout", logging.INFO), ("stderr", logging.WARNING)):
         if not isinstance(getattr(sys, name), Printed):
             setattr(sys, name, Printed(name, level, getattr(sys, name)))
+    # Python would print these tracebacks to stderr, a WARNING record per line: one ERROR instead.
+    threading.excepthook = _log_thread_exception
+    sys.excepthook = _log_uncaught_exception
+
+
+def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as Python's own hook: a thread's sys.exit() is no error
+        return
+    name = args.thread.name if args.thread is not None else "a thread"
+    # The exception itself: logging reads its type and traceback from it.
+    logging.getLogger("threading").error("uncaught exception in %s", name, exc_info=args.exc_value)
+
+
+def _log_uncaught_exception(exc_type, exc_value, exc_traceback) -> None:
+    logging.getLogger("main").error("uncaught exception", exc_info=(exc_type, exc_value, exc_traceback))

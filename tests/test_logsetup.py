@@ -3,6 +3,7 @@
 import json
 import logging
 import sys
+import threading
 import warnings
 
 import pytest
@@ -15,8 +16,10 @@ def root_logger():
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     streams = sys.stdout, sys.stderr
+    hooks = threading.excepthook, sys.excepthook
     yield root
     sys.stdout, sys.stderr = streams
+    threading.excepthook, sys.excepthook = hooks
     logging.captureWarnings(False)
     root.handlers[:] = handlers
     root.setLevel(level)
@@ -141,3 +144,20 @@ def test_flushing_a_printed_stream_flushes_the_stream_it_stands_for(tmp_path):
         printed.buffer.write(b"bytes written raw\n")
         printed.flush()
         assert path.read_bytes() == b"bytes written raw\n"
+
+
+def test_a_threads_uncaught_exception_is_one_error_record_with_its_traceback(root_logger, capsys):
+    logsetup.setup("worker", "info", "json")
+
+    def fails() -> None:
+        raise ValueError("in a model's thread")
+
+    thread = threading.Thread(target=fails, name="model-thread")
+    thread.start()
+    thread.join()
+    quiet = threading.Thread(target=sys.exit)  # a thread's sys.exit() is no error, as in Python
+    quiet.start()
+    quiet.join()
+    (record,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert record["level"] == "error" and record["message"] == "uncaught exception in model-thread"
+    assert "ValueError: in a model's thread" in record["error"]
