@@ -22,7 +22,7 @@ CGROUP_ROOT = cgroups.CGROUP_ROOT
 MACHINE_COUNT = "/proc/vmstat"
 _KEY = "oom_kill"
 # How long a kill counted waits to be claimed: the reap of the worker it ended comes at once, unless
-# the spawner thread is busy forking others.
+# the pool's reaping thread is busy (stopping or starting a fork server).
 CLAIM_SECONDS = 10.0
 
 

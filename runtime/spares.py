@@ -136,7 +136,7 @@ class Spares:
 
 def _dead(worker: Worker) -> bool:
     """Whether the worker has died or begun to, though its reap has not come yet (its exit goes
-    through the fork server and the spawner thread): a load sent to it would fail as its own."""
+    through the fork server and the pool's reaping thread): a load sent to it would fail as its own."""
     identity = worker.pid_identity
     return identity is not None and not lifeline.lives(identity)
 
