@@ -1,4 +1,4 @@
-"""The front's side of the worker sockets: one ZeroMQ ROUTER, many worker DEALERs.
+"""The front's side of the worker sockets: one ZeroMQ ROUTER, many worker DEALERs, and call lanes.
 
 `submit()` sends a header and payload frames to one worker and returns a
 future for the reply with the same request id. Every message a worker sends,
@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from runtime.busypoll import BusyPoller
+from runtime.lanes import FrontLanes
 from runtime.rings import FrontRings
 from workers import protocol, rings
 
@@ -75,7 +76,11 @@ class Channel:
         busy_poll_seconds: float = 0.0,
         ring_bytes: int = 0,
         runs_at_once: int = 1,
+        lanes_path: str | None = None,
+        pid_of: Callable[[bytes], int | None] = lambda peer: None,
     ):
+        """lanes_path: where workers connect their call lanes (runtime/lanes.py), None for none;
+        pid_of(peer): the worker's pid, once known, to check who connected a lane."""
         self.address = address
         self._on_event = on_event
         self._context = zmq.Context()
@@ -96,18 +101,28 @@ class Channel:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.busy_poller = BusyPoller(busy_poll_seconds, self.replies_due_soon)
         self.rings = FrontRings(ring_bytes, lambda peer: peer in self._by_peer)
+        self.lanes = FrontLanes(lanes_path, self._from_lane, pid_of) if lanes_path else None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._fd, self._drain)
         self._loop.call_soon(self._drain)  # anything that arrived before we watched
+        if self.lanes is not None:
+            self.lanes.start()
 
     async def close(self) -> None:
         if self._loop is not None:
             self._loop.remove_reader(self._fd)
+        if self.lanes is not None:
+            self.lanes.close()
         self.rings.close()
         self._socket.close(linger=0)
         self._context.term()
+
+    @property
+    def lanes_address(self) -> str | None:
+        """Where a worker connects its call lane; None if the front has no lanes."""
+        return self.lanes.path if self.lanes is not None and self.lanes.listening else None
 
     def replies_due_soon(self) -> bool:
         """Some worker owes a reply and none has a request queued behind another.
@@ -166,11 +181,14 @@ class Channel:
             self._timed += 1
             self._start_clocks(peer)
         try:
+            lanes = self.lanes if op == protocol.OP_CALL else None  # loads and drops: the socket
             if peer in self.rings.owed or _reaches(payloads, self.rings.threshold):
                 payloads, ring = self.rings.outgoing(peer, payloads)
-                if ring is not None:
-                    fields[rings.FIELD] = ring
-            self.send(peer, protocol.header_of(op, request_id, fields), payloads)  # fields: ours
+                if ring is not None:  # the ring's order is the socket's (workers/rings.py)
+                    fields[rings.FIELD], lanes = ring, None
+            header = protocol.header_of(op, request_id, fields)  # fields: ours
+            if lanes is None or not lanes.send(peer, (header, *payloads)):
+                self.send(peer, header, payloads)
         except PeerGone as gone:
             self._end(request_id, error=gone)
         else:
@@ -217,7 +235,11 @@ class Channel:
 
     def fail_peer(self, peer: bytes, exit_code: int | None, cause: str = "") -> None:
         """Fails every request waiting on `peer`, which has died, and frees its rings; each says
-        whether the worker had begun it, as _start_clocks() takes it to."""
+        whether the worker had begun it, as _start_clocks() takes it to. What it answered over its
+        lane before it died is handed on first."""
+        if self.lanes is not None:
+            self.lanes.drain(peer)
+            self.lanes.forget(peer)
         for place, request_id in enumerate(list(self._by_peer.get(peer, ()))):
             self._end(request_id, error=PeerGone(exit_code, cause, begun=place < self.runs_at_once))
         self.rings.forget(peer)
@@ -250,10 +272,18 @@ class Channel:
         while protocol.readable(self._socket):
             frames = protocol.receive_frames(self._socket, copied=2)  # peer and header
             peer, header, payloads = frames[0], frames[1] if len(frames) > 1 else b"", frames[2:]
+            if self.lanes is not None:
+                self.lanes.drain(peer)  # what it sent over its lane first came first
             try:
                 self._dispatch(peer, protocol.parse_header(header), payloads)
             except protocol.ProtocolError as error:
                 log.error("dropping a malformed message from worker %r: %s", peer, error)
+
+    def _from_lane(self, peer: bytes, frames: list) -> None:
+        try:
+            self._dispatch(peer, protocol.parse_header(frames[0]), frames[1:])
+        except protocol.ProtocolError as error:
+            log.error("dropping a malformed message from worker %r's lane: %s", peer, error)
 
     def _dispatch(self, peer: bytes, header: dict, payloads: list) -> None:
         ring = header.get(rings.FIELD)

@@ -20,11 +20,11 @@ from runtime.settings import Settings
 
 log = logging.getLogger("mesh.filelimit")
 
-# The front keeps three descriptors open per worker: its end of the worker's
-# ZeroMQ ipc connection, the pipe multiprocessing reports the worker's exit on,
-# and the write end multiprocessing keeps of the pipe it sent the worker's start
-# data through.
-DESCRIPTORS_PER_WORKER = 3
+# The front keeps four descriptors open per worker: its end of the worker's
+# ZeroMQ ipc connection and of its call lane, the pipe multiprocessing reports
+# the worker's exit on, and the write end multiprocessing keeps of the pipe it
+# sent the worker's start data through.
+DESCRIPTORS_PER_WORKER = 4
 
 # The front's own descriptors, whatever the workers: grpc's and ZeroMQ's event
 # descriptors and listening sockets, the fork server's pipes, the lock and log

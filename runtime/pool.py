@@ -49,6 +49,8 @@ class WorkerPool:
             busy_poll_seconds=settings.busy_poll_us / 1e6,
             ring_bytes=settings.shared_ring_bytes,
             runs_at_once=settings.worker_threads,
+            lanes_path=f"{settings.runtime_dir}/lanes.sock",
+            pid_of=self._pid_of,
         )
         self.beats = BeatFile(settings.runtime_dir)
         self.ready = False
@@ -271,6 +273,10 @@ class WorkerPool:
         worker.last_seen = time.monotonic()
         if header["op"] == protocol.OP_HELLO and not worker.ready.done():
             worker.ready.set_result(None)
+
+    def _pid_of(self, identity: bytes) -> int | None:
+        worker = self._workers.get(identity)
+        return None if worker is None else worker.pid
 
     def _on_sentinel(self, worker: Worker) -> None:
         asyncio.get_running_loop().remove_reader(worker.process.sentinel)

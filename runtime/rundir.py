@@ -40,7 +40,17 @@ LOCK_NAME = "front.lock"
 # `own` of the functions below adds RUNTIME_SOCKET_PATH's name when the socket is in the folder.
 # The record of multiprocessing's temp folder, which is outside RUNTIME_DIR (runtime/leftovers.py).
 TEMP_FOLDER_RECORD = "mp-tempdir"
-ENTRIES = (LOCK_NAME, "workers.sock", "admin.sock", "beats", "pids", "stacks", "shm", TEMP_FOLDER_RECORD)
+ENTRIES = (
+    LOCK_NAME,
+    "workers.sock",
+    "lanes.sock",
+    "admin.sock",
+    "beats",
+    "pids",
+    "stacks",
+    "shm",
+    TEMP_FOLDER_RECORD,
+)
 _OTHERS_MAY_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 

@@ -110,8 +110,13 @@ class Spawner:
         """Registers a worker of `group` with the pool, so that it counts from now on, and starts it."""
         identity = f"w{next(self._ids)}".encode()
         slot = self._pool.beats.allocate()
+        channel = self._pool.channel
         config = worker_config(
-            self._pool.settings, identity, self._pool.channel.address, self._pool.beats.path, slot
+            self._pool.settings,
+            identity,
+            (channel.address, channel.lanes_address),
+            self._pool.beats.path,
+            slot,
         )
         process = self._context.Process(
             target=workers.main.run, args=(config,), name=f"mesh-worker-{identity.decode()}"

@@ -13,11 +13,15 @@ from runtime.settings import Settings
 FRONT_CHECK_SECONDS = 10.0
 
 
-def worker_config(settings: Settings, identity: bytes, address: str, beats: str, beat_slot: int) -> dict:
-    """The start configuration of the worker `identity`: the worker socket's `address`, the beat
-    file `beats` and its slot there, and what the settings say workers do."""
+def worker_config(
+    settings: Settings, identity: bytes, addresses: tuple[str, str | None], beats: str, beat_slot: int
+) -> dict:
+    """The start configuration of the worker `identity`: the worker socket's address and the call
+    lanes' (None: no lane), the beat file `beats` and its slot there, and what the settings say
+    workers do."""
     return {
-        "address": address,
+        "address": addresses[0],
+        "lanes": addresses[1],
         "identity": identity,
         "heartbeat_timeout": FRONT_CHECK_SECONDS,
         "beats": beats,

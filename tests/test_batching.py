@@ -1,7 +1,7 @@
 """Calls queued together share one predict on row-wise models (workers/batching.py, Worker.replies_as_made).
 
 In-process: a Worker whose socket nobody serves, handed the calls the way
-receive_queued hands them over. The end-to-end check with scikit-learn is
+the inbox hands them over. The end-to-end check with scikit-learn is
 at the bottom.
 """
 

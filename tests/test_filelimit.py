@@ -182,16 +182,16 @@ def test_descriptors_are_counted_only_once_the_limit_is_near(own_limits, monkeyp
     resource.setrlimit(resource.RLIMIT_NOFILE, (10_000, own_limits[1]))
     assert filelimit.room_for_a_worker(10) and not counted  # far from the limit: no count
     assert filelimit.room_for_a_worker(2_000) and counted  # within a factor of two: counted
-    # Near the limit, the count decides: 100 open + 3 for the worker + 32 kept free.
-    resource.setrlimit(resource.RLIMIT_NOFILE, (134, own_limits[1]))
-    assert not filelimit.room_for_a_worker(0)
+    # Near the limit, the count decides: 100 open + 4 for the worker + 32 kept free.
     resource.setrlimit(resource.RLIMIT_NOFILE, (135, own_limits[1]))
+    assert not filelimit.room_for_a_worker(0)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (136, own_limits[1]))
     assert filelimit.room_for_a_worker(0)
 
 
 def test_workers_on_their_way_count_as_if_their_descriptors_were_open(own_limits, monkeypatch):
     # Starts of several fork servers run at once: one not yet forked has opened nothing.
     monkeypatch.setattr(filelimit, "open_descriptors", lambda: 100)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (141, own_limits[1]))
-    assert filelimit.room_for_a_worker(2, starting=2)  # 100 + 3 x 3 + 32
+    resource.setrlimit(resource.RLIMIT_NOFILE, (144, own_limits[1]))
+    assert filelimit.room_for_a_worker(2, starting=2)  # 100 + 3 x 4 + 32
     assert not filelimit.room_for_a_worker(3, starting=3)

@@ -15,6 +15,7 @@ WORKER_MODULES_THE_FRONT_USES = {
     "workers",
     "workers.main",
     "workers.protocol",
+    "workers.lanes",
     "workers.rings",
     "workers.formats",
 }

@@ -290,8 +290,7 @@ def wired(tmp_path):
         {"address": address, "identity": b"unit", "heartbeat_timeout": 1, "batch_max": 4, "batch_wait": 0.001}
     )
     hold(worker, CountingModel(), fmt="sklearn", batches_rows=True)
-    handled = []
-    worker.handle = lambda messages: handled.append(len(messages))
+    handled: list[int] = []
     worker.socket.send(b"")  # the router learns the worker's identity from its first message
     router.recv_multipart()
     yield worker, router, handled
@@ -314,7 +313,12 @@ def send_call(worker, router, request_id, unanswered=8):
     assert worker.waiter.wait(5000), "the call never reached the worker"
 
 
-def receive_while_a_call_arrives(worker, router, request_id):
+def receive_queued(worker, handled):
+    """What the worker's loop does when its poll finds the socket readable (the lane idle)."""
+    handled.append(len(worker.inbox.take([worker.socket])))
+
+
+def receive_while_a_call_arrives(worker, router, request_id, handled):
     """receive_queued() with a fake sleep during which call `request_id` arrives; what it slept."""
     slept = []
 
@@ -324,39 +328,54 @@ def receive_while_a_call_arrives(worker, router, request_id):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(time, "sleep", a_call_arrives_meanwhile)
-        worker.receive_queued()
+        receive_queued(worker, handled)
     return slept
 
 
 def test_after_calls_that_came_together_the_worker_waits_for_one_more(wired):
     worker, router, handled = wired
-    worker.last_batch = 2
+    worker.inbox.last_batch = 2
     send_call(worker, router, 1)
-    assert receive_while_a_call_arrives(worker, router, 2) == [0.001]
-    assert handled == [2] and worker.last_batch == 2
+    assert receive_while_a_call_arrives(worker, router, 2, handled) == [0.001]
+    assert handled == [2] and worker.inbox.last_batch == 2
 
 
 @pytest.mark.parametrize(
-    "last_batch, unanswered, wait, batch_max, pool",
-    [
-        (1, 8, 0.001, 4, None),
-        (2, 2, 0.001, 4, None),
-        (2, 8, 0.0, 4, None),
-        (2, 8, 0.001, 1, None),
-        (2, 8, 0.001, 4, "threads"),
-    ],
-    ids=["a call alone before", "the front has one more", "waiting off", "batch full", "call threads"],
+    "last_batch, unanswered, wait, batch_max",
+    [(1, 8, 0.001, 4), (2, 2, 0.001, 4), (2, 8, 0.0, 4), (2, 8, 0.001, 1)],
+    ids=["a call alone before", "the front has one more", "waiting off", "batch full"],
 )
 def test_the_worker_does_not_wait_when_nothing_says_a_call_is_coming(
-    wired, monkeypatch, last_batch, unanswered, wait, batch_max, pool
+    wired, monkeypatch, last_batch, unanswered, wait, batch_max
 ):
     worker, router, handled = wired
-    worker.last_batch, worker.batch_wait, worker.batch_max = last_batch, wait, batch_max
-    worker.pool = pool  # stands for WORKER_THREADS > 1: only whether there is one matters here
+    inbox = worker.inbox
+    inbox.last_batch, inbox.batch_wait, inbox.batch_max = last_batch, wait, batch_max
     send_call(worker, router, 1, unanswered)
     monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail(f"slept {seconds}"))
-    worker.receive_queued()
-    assert handled == [1] and worker.last_batch == 1
+    receive_queued(worker, handled)
+    assert handled == [1] and inbox.last_batch == 1
+
+
+def test_a_worker_with_call_threads_never_waits_for_a_batch(tmp_path):
+    worker = Worker(
+        {
+            "address": f"ipc://{tmp_path}/threads.sock",
+            "identity": b"unit",
+            "heartbeat_timeout": 1,
+            "threads": 2,
+            "batch_max": 4,
+            "batch_wait": 0.001,
+        }
+    )
+    try:
+        assert worker.inbox.batch_wait == 0, "call threads do not batch"
+    finally:
+        assert worker.pool is not None
+        worker.pool.shutdown()
+        worker.replies.close(linger=0)
+        worker.socket.close(linger=0)
+        worker.context.term()
 
 
 def test_calls_that_come_together_now_wait_for_one_more_too(wired):
@@ -366,19 +385,19 @@ def test_calls_that_come_together_now_wait_for_one_more_too(wired):
     # send_call() returns once a call can be read, which the first already could: ZeroMQ's I/O
     # thread delivers the second a moment later, and the test needs both queued.
     time.sleep(0.2)
-    assert receive_while_a_call_arrives(worker, router, 3) == [0.001]
+    assert receive_while_a_call_arrives(worker, router, 3, handled) == [0.001]
     assert handled == [3]
 
 
 def test_after_the_wait_in_vain_the_call_runs_alone_and_the_next_does_not_wait(wired, monkeypatch):
     worker, router, handled = wired
-    worker.last_batch = 3
+    worker.inbox.last_batch = 3
     send_call(worker, router, 1)
     slept = []
     monkeypatch.setattr(time, "sleep", slept.append)
-    worker.receive_queued()
+    receive_queued(worker, handled)
     send_call(worker, router, 2)
-    worker.receive_queued()
+    receive_queued(worker, handled)
     assert slept == [0.001] and handled == [1, 1]
 
 

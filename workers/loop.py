@@ -1,4 +1,4 @@
-"""The worker's serving loop: one DEALER socket, its model (or a pack's), WORKER_THREADS calls at a time.
+"""The worker's serving loop: socket and call lane, its model (or a pack's), WORKER_THREADS calls at a time.
 
 Life of a worker (the front drives it; see workers/protocol.py for messages):
 
@@ -11,11 +11,11 @@ Life of a worker (the front drives it; see workers/protocol.py for messages):
 
 With WORKER_THREADS > 1, calls run in a thread pool, and each thread hands its
 reply to the main loop over an inproc PUSH/PULL pair: ZeroMQ sockets are not
-thread-safe, so only the main thread touches the DEALER. With one thread, calls
-run inline. A worker of a row-wise model takes every message already queued
-before it polls again, so calls that arrived together may share one predict
-(workers/batching.py); any other takes one message per poll (which finds a
-queued one without waiting).
+thread-safe, so only the main thread touches the DEALER (and the lane). With one
+thread, calls run inline. Small calls and their replies go over the call lane,
+everything else over the socket (workers/lanes.py); workers/inbox.py takes
+messages from both in the order the front sent them, and several at once for a
+row-wise model, whose calls that arrived together may share one predict.
 
 Every wake of the loop stamps the worker's slot of the beat file, and an idle
 worker wakes only for that every so often (workers/beatslot.py). A
@@ -47,10 +47,11 @@ from plumbing import heap, lifeline, logsetup
 from plumbing.shmblocks import BlockNotes
 from protos import grpc_predict_v2_pb2 as pb
 from protos import wire
-from workers import batching, protocol, responses, rings, v2
+from workers import batching, lanes, protocol, responses, rings, v2
 from workers.beatslot import BeatSlot
 from workers.frontwatch import FrontWatch
 from workers.holding import Held, Holdings
+from workers.inbox import Inbox
 from workers.raised import RaisedLog
 
 log = logging.getLogger("mesh.worker")
@@ -69,15 +70,18 @@ class Worker:
         self.socket.setsockopt(zmq.IDENTITY, config["identity"])
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(config["address"])
-        self.waiter = protocol.Waiter([self.socket])
-        if self.front_watch.pidfd is not None:
-            self.waiter.add(self.front_watch.pidfd)
         self.batch_max = config.get("batch_max", 1)
-        self.batch_wait = config.get("batch_wait", 0.0)  # seconds
-        self.last_batch = 0  # messages handled at the last wake-up
         threads = config.get("threads", 1)
         self.blocks = blocks
         self.models = Holdings(self.batch_max, threads, blocks)
+        lane = lanes.connect(config["lanes"], config["identity"]) if config.get("lanes") else None
+        batch_wait = config.get("batch_wait", 0.0) if threads == 1 else 0.0  # call threads do not batch
+        self.inbox = Inbox(
+            self.socket, lane, self.models, self.note_sizes, self.batch_max, batch_wait, self.stop_polling
+        )
+        self.waiter = protocol.Waiter(self.inbox.waited_on())
+        if self.front_watch.pidfd is not None:
+            self.waiter.add(self.front_watch.pidfd)
         self.rings = rings.WorkerRings()  # big payloads in shared memory, once the front offers it
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         if threads > 1:
@@ -94,7 +98,7 @@ class Worker:
         for request in v2.sample_requests():  # its first call then finds the pages it writes copied
             self._infer_reply(call := self._decode(0, request), call.inputs)
         self.beats.beat()
-        self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())])
+        self.send([protocol.header(protocol.OP_HELLO, pid=os.getpid())], over_lane=False)
         self.front_watch.start(time.monotonic())
         while True:
             # One zmq_poll both finds what is queued and waits when nothing is:
@@ -103,13 +107,16 @@ class Worker:
             ready = self.waiter.wait(self.beats.ms_to_next_beat())
             if not ready and self.heap_to_trim:
                 self.give_heap_back()
-            if self.socket in ready:
-                self.receive_queued()
+            if messages := self.inbox.take(ready):
+                self.handle(messages)
             if self.pool is not None and self.replies in ready:
                 self.forward_replies()
             if self.front_watch.gone(ready, self.beats.beat()):
                 log.error("the front is gone; exiting")
                 return
+
+    def stop_polling(self, fd: int) -> None:
+        self.waiter.discard(fd)
 
     def mark_running(self, model_id: str | None, main_thread: bool = False) -> None:
         """Says which model's code this thread runs now (None: none): to its log records, to the
@@ -138,40 +145,17 @@ class Worker:
                 self.heap_to_trim = True
                 return
 
-    def send(self, frames: list) -> None:
-        """Sends one message to the front (frames: header, then payloads)."""
+    def send(self, frames: list, over_lane: bool = True) -> None:
+        """Sends one message to the front (frames: header, then payloads); a call's reply over the
+        lane when it fits, anything else over the socket (`over_lane` False: workers/inbox.py)."""
         self.note_sizes(frames)
+        lane = self.inbox.lane if over_lane else None
         if self.rings.in_use:
-            frames = self.rings.outgoing(frames)
-        protocol.send_frames(self.socket, frames)
-
-    def receive_queued(self) -> None:
-        """Handles the message the poll found, with those queued behind it when they may share a predict."""
-        messages = []
-        waited = False
-        while True:
-            header, *payloads = protocol.receive_frames(self.socket, copied=1)
-            # Views of ZeroMQ's buffers: arrays are built over them without a copy.
-            messages.append((header, [frame.buffer for frame in payloads]))
-            self.note_sizes(payloads)
-            # Other models gain nothing from seeing the queue, and the next poll looks anyway.
-            if not self.models.batches_rows:
-                break
-            if not protocol.readable(self.socket):
-                if waited or not self.wait_for_another(header, len(messages)):
-                    break
-                waited = True  # once a wake-up
-        self.last_batch = len(messages)
-        self.handle(messages)
-
-    def wait_for_another(self, header: bytes, held: int) -> bool:
-        """Sleeps batch_wait when another call is likely to come (workers/batching.py); any message?"""
-        if self.batch_wait <= 0 or self.pool is not None:  # call threads do not batch
-            return False
-        if not batching.worth_waiting(held, self.last_batch, self.batch_max, header, self.models.row_wise):
-            return False
-        time.sleep(self.batch_wait)
-        return protocol.readable(self.socket)
+            ringed = self.rings.outgoing(frames)
+            if ringed is not frames:  # the ring's field: its order is the socket's (workers/rings.py)
+                frames, lane = ringed, None
+        if lane is None or not lanes.send(lane, frames):
+            protocol.send_frames(self.socket, frames)
 
     def forward_replies(self) -> None:
         """Passes the reply the poll found, and any other the call threads finished, on to the front."""
@@ -208,7 +192,7 @@ class Worker:
                 self.mark_running(header.get("model_id"), main_thread=True)  # a load, or a drop and close()
                 reply = self.handlers[op](header, payloads)
                 self.mark_running(None, main_thread=True)  # not if it raised: the worker dies of it
-                self.send(reply)
+                self.send(reply, over_lane=False)
             else:
                 log.error("dropping a message with op %r, which workers do not take", op)
         if calls:

@@ -283,6 +283,9 @@ class Waiter:
     def add(self, socket: zmq.Socket | int) -> None:
         self._items.append((socket, _POLLIN))
 
+    def discard(self, socket: zmq.Socket | int) -> None:
+        self._items = [item for item in self._items if item[0] is not socket and item[0] != socket]
+
     def wait(self, timeout_ms: int) -> list[zmq.Socket | int]:
         """Those that are ready, waiting up to timeout_ms for one. zmq_poll looks before it
         sleeps, so a message already queued costs no wait."""

@@ -5,8 +5,10 @@ models, each listed under `models` with the bytes it is charged and whether its
 load ran long, as the `models` command says), model id, state (starting, spare,
 loading, serving, condemned, exited: runtime/worker.py), uptime in seconds, USS and RSS in bytes, CPU % since
 the last `workers` call, calls in flight, calls served, calls failed, the
-last error, and the big payload frames that crossed its shared-memory rings
-([to it, from it], null before it has rings: runtime/rings.py).
+last error, the big payload frames that crossed its shared-memory rings
+([to it, from it], null before it has rings: runtime/rings.py), and the
+messages that crossed its call lane ([to it, from it], null without a lane:
+runtime/lanes.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
     workers = [w for w in supervisor.pool.workers() if w.pid is not None]
     figures = await asyncio.to_thread(_measure, [w.pid for w in workers])
     now = time.monotonic()
+    lanes = supervisor.pool.channel.lanes
     rows = []
     for worker in sorted(workers, key=lambda w: w.pid):
         uss, rss, cpu = figures[worker.pid]
@@ -72,6 +75,7 @@ async def run(supervisor, args: list[str]) -> list[dict]:
                 "errors": worker.errors,
                 "last_error": worker.last_error or worker.kill_reason,
                 "ring_frames": supervisor.pool.channel.rings.frames(worker.identity),
+                "lane_messages": lanes.messages(worker.identity) if lanes is not None else None,
             }
         )
     return rows
