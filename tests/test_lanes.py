@@ -293,6 +293,15 @@ def test_a_socket_message_is_taken_after_what_the_lane_held_before_it(inbox):
     assert ids(box.take([box.socket])) == [1, 2], "the drop only after the call sent before it"
 
 
+def test_a_load_or_a_drop_waits_for_no_lane_that_never_idles(inbox):
+    box, front, front_end = inbox
+    for request_id in (1, 2):
+        assert lanes.send(front_end, call(request_id))
+    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m")])
+    ready = wait_ready(box, [box.lane_fd, box.socket])
+    assert ids(box.take(ready)) == [1, 2, 3], "the drop now, after the calls sent before it"
+
+
 def test_a_model_that_batches_no_rows_takes_one_message_a_wake(inbox):
     box, front, front_end = inbox
     for request_id in (1, 2):

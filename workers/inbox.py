@@ -62,14 +62,13 @@ class Inbox:
         """The messages to handle now, in order, given what the poll found `ready`."""
         messages: list[Message] = []
         every = self.models.batches_rows
-        if self.lane_fd in ready:
+        if self.socket in ready:  # first: a lane never idle would keep a load or a drop waiting
+            from_socket = self._from_socket()
+            messages = self._from_lane(every=True) + from_socket  # sent over the lane before those
+        elif self.lane_fd in ready:
             messages = self._from_lane(every)
             if every and messages and self._wait_for_another(messages[-1][0], len(messages)):
                 messages += self._from_lane(every=True)
-        if self.socket in ready and (every or not messages):
-            from_socket = self._from_socket()
-            messages += self._from_lane(every=True)  # sent over the lane before those: first
-            messages += from_socket
         self.last_batch = len(messages)
         return messages
 
