@@ -11,7 +11,7 @@ runs), so this benchmark counts them, for the processes that do the work:
   (b)  mesh-runtime's front process serving the echo model (default event
        loop, uvloop; BUSY_POLL_US=0, so that polling, which only burns idle
        time, is not counted)
-  (w)  mesh-runtime's echo worker alone, sent calls over its ZeroMQ socket by
+  (w)  mesh-runtime's echo worker alone, sent calls over its call lane by
        this script, three in flight (no front, no grpc)
 
 Each server runs under callgrind; after a warm-up its counters are zeroed,
@@ -32,6 +32,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from bench.installers import ensure_h2load, ensure_valgrind
 from bench.payloads import SMALL, echo_response, expect_anything, mesh_header_lines, small_request
 from bench.servers import RUNTIME_ENV, canned_command, stop_process, wait_port
 from meshtest import harness
-from workers import protocol
+from workers import lanes, protocol
 
 WARMUP_CALLS = 300
 WORKER_IN_FLIGHT = 3
@@ -148,12 +149,24 @@ def front(folder: str, calls: int) -> float:
 
 
 def worker(folder: str, calls: int) -> float:
-    """The echo worker alone: this script is its front, WORKER_IN_FLIGHT calls at a time."""
+    """The echo worker alone: this script is its front, WORKER_IN_FLIGHT calls at a time, over its
+    call lane as the front sends them (the load over its socket)."""
     address = f"ipc://{folder}/worker.sock"
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.bind(address)
-    config = {"heartbeat_timeout": 3600, "identity": b"w", "address": address, "batch_max": 16, "threads": 1}
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listening.bind(f"{folder}/lanes.sock")
+    listening.listen(1)
+    connections: list[socket.socket] = []
+    config = {
+        "heartbeat_timeout": 3600,
+        "identity": b"w",
+        "address": address,
+        "lanes": f"{folder}/lanes.sock",
+        "batch_max": 16,
+        "threads": 1,
+    }
     code = (
         f"import sys; sys.path[:0] = [{REPO!r}]; from workers.loop import Worker; Worker({config!r}).serve()"
     )
@@ -162,7 +175,12 @@ def worker(folder: str, calls: int) -> float:
         stderr=open(os.path.join(folder, "worker.log"), "w"),
     )
     try:
-        router.recv_multipart()  # hello
+        router.recv_multipart()  # hello, after the lane's connection and its first packet
+        listening.settimeout(10)
+        lane = listening.accept()[0]
+        connections.append(lane)
+        if lane.recv(lanes.RECEIVE_BYTES) != b"w":
+            raise RuntimeError("the worker's lane did not name it")
         path = harness.write_model(os.path.join(folder, "echo"), harness.ECHO_MODEL)
         router.send_multipart(
             [b"w", protocol.header(protocol.OP_LOAD, 1, model_id="echo", format="python", path=path, key="")]
@@ -174,19 +192,15 @@ def worker(folder: str, calls: int) -> float:
         ids = iter(range(2, 1 << 62))
 
         def send() -> None:
-            router.send_multipart(
-                [
-                    b"w",
-                    protocol.header(protocol.OP_CALL, next(ids), method=protocol.METHOD_INFER, deadline=None),
-                    body,
-                ]
-            )
+            header = protocol.header(protocol.OP_CALL, next(ids), method=protocol.METHOD_INFER, deadline=None)
+            if not lanes.send(lane, [header, body]):
+                raise RuntimeError("the worker's lane took no call")
 
         def run_calls(n: int) -> None:
             for _ in range(min(n, WORKER_IN_FLIGHT)):
                 send()
             for answered in range(1, n + 1):
-                header, *_ = protocol.split(router.recv_multipart()[1:])
+                header, *_ = protocol.split(lanes.frames_of(lane.recv(lanes.RECEIVE_BYTES)))
                 if not header.get("ok"):
                     raise RuntimeError(f"the worker failed a call: {header}")
                 if answered + WORKER_IN_FLIGHT <= n:
@@ -196,6 +210,8 @@ def worker(folder: str, calls: int) -> float:
     finally:
         process.kill()
         process.wait()
+        for connection in [*connections, listening]:
+            connection.close()
         router.close(linger=0)
         context.term()
 
