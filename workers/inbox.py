@@ -91,7 +91,7 @@ class Inbox:
 
     def _close_lane(self) -> None:
         assert self.lane is not None
-        log.info("the front closed the call lane; calls come over the worker socket")
+        log.info("the call lane closed (the front is stopping, or gone); calls come over the socket")
         self.lane_closed(self.lane_fd)
         self.lane.close()
         self.lane, self.lane_fd = None, -1
