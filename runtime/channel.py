@@ -238,7 +238,7 @@ class Channel:
         whether the worker had begun it, as _start_clocks() takes it to. What it answered over its
         lane before it died is handed on first."""
         if self.lanes is not None:
-            self.lanes.drain(peer)
+            self.lanes.drain(peer, self._answer_from_the_dead)
             self.lanes.forget(peer)
         for place, request_id in enumerate(list(self._by_peer.get(peer, ()))):
             self._end(request_id, error=PeerGone(exit_code, cause, begun=place < self.runs_at_once))
@@ -284,6 +284,17 @@ class Channel:
             self._dispatch(peer, protocol.parse_header(frames[0]), frames[1:])
         except protocol.ProtocolError as error:
             log.error("dropping a malformed message from worker %r's lane: %s", peer, error)
+
+    def _answer_from_the_dead(self, peer: bytes, frames: list) -> None:
+        """A reply the worker sent over its lane before it died: it answers its call, and proves
+        no one alive (the pool has let the worker go)."""
+        try:
+            header = protocol.parse_header(frames[0])
+        except protocol.ProtocolError:
+            return
+        request = self._pending.get(header["id"])
+        if header["op"] == protocol.OP_REPLY and request is not None and request.peer == peer:
+            self._end(header["id"], result=(header, frames[1:]))
 
     def _dispatch(self, peer: bytes, header: dict, payloads: list) -> None:
         ring = header.get(rings.FIELD)

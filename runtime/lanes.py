@@ -78,11 +78,12 @@ class FrontLanes:
         counts = self._counts.get(peer)
         return None if counts is None else list(counts)
 
-    def drain(self, peer: bytes) -> None:
-        """Hands on what the worker sent over its lane: before a message of its from the socket."""
+    def drain(self, peer: bytes, on_message: OnMessage | None = None) -> None:
+        """Hands on what the worker sent over its lane (to `on_message` instead of the lanes' own,
+        if given): before a message of its from the socket, or once it has died."""
         lane = self._lanes.get(peer)
         if lane is not None:
-            self._read(peer, lane)
+            self._read(peer, lane, on_message or self._on_message)
 
     def forget(self, peer: bytes) -> None:
         self._counts.pop(peer, None)
@@ -141,9 +142,9 @@ class FrontLanes:
         self.forget(peer)
         self._lanes[peer] = lane
         self._counts[peer] = [0, 0]
-        self._loop.add_reader(lane.fileno(), self._read, peer, lane)
+        self._loop.add_reader(lane.fileno(), self._read, peer, lane, self._on_message)
 
-    def _read(self, peer: bytes, lane: socket.socket) -> None:
+    def _read(self, peer: bytes, lane: socket.socket, on_message: OnMessage) -> None:
         packets = lanes.receive(lane)
         if packets is None:  # the worker is gone: the pool hears of it from its process sentinel
             if self._lanes.get(peer) is lane:
@@ -156,7 +157,7 @@ class FrontLanes:
             except lanes.LaneError as error:
                 log.error("dropping a malformed message from worker %r's lane: %s", peer, error)
                 continue
-            self._on_message(peer, frames)
+            on_message(peer, frames)
 
     def _close(self, sock: socket.socket) -> None:
         assert self._loop is not None

@@ -205,6 +205,7 @@ def test_replies_a_dead_worker_sent_over_its_lane_still_answer_their_calls(run):
         channel.fail_peer(b"w1", -9)  # at once, before the loop reads the lane
         reply, frames = await asyncio.wait_for(answered, 5)
         assert [bytes(f) for f in frames] == [b"first"]
+        assert heard[-1] == (protocol.OP_HELLO, 0), "a dead worker's reply proves no one alive"
         with pytest.raises(PeerGone):
             await asyncio.wait_for(unanswered, 5)
 
