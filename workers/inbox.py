@@ -28,7 +28,7 @@ from workers.holding import Holdings
 
 log = logging.getLogger("mesh.worker")
 
-Message = tuple[bytes, list]  # the header frame, the payloads (views of the received buffers)
+Message = tuple[bytes, list]  # the header frame, the payloads (bytes off the lane, views of ZeroMQ's buffers)
 
 
 class Inbox:
