@@ -228,7 +228,10 @@ class Channel:
 
     def _overdue(self, request_id: int, on_overdue: Callable[[], BaseException]) -> None:
         # After a stall of the event loop the timer may fire with the reply
-        # already queued unread: read it before judging the worker.
+        # already queued unread, on the socket or the lane: read it before judging the worker.
+        request = self._pending.get(request_id)
+        if request is not None and self.lanes is not None:
+            self.lanes.drain(request.peer)
         self._drain()
         if request_id in self._pending:
             self._end(request_id, error=on_overdue())

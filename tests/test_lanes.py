@@ -212,6 +212,26 @@ def test_replies_a_dead_worker_sent_over_its_lane_still_answer_their_calls(run):
     run(test)
 
 
+def test_a_reply_waiting_on_the_lane_is_read_before_its_call_is_judged_overdue(run):
+    def overdue() -> BaseException:
+        return TimeoutError("judged overdue")
+
+    async def test(channel, worker, heard):
+        await lane_named(channel)
+        future = channel.submit(
+            b"w1", protocol.OP_CALL, [b"a"], method="m", deadline=None, overdue_after=60, on_overdue=overdue
+        )
+        request_id = worker.take_from_lane()[0]["id"]
+        worker.answer_over_lane(request_id, b"in time")
+        # As its timer does when the event loop stalled past the limit: uvloop runs due timers
+        # before it reads what became readable meanwhile.
+        channel._overdue(request_id, overdue)
+        reply, frames = await asyncio.wait_for(future, 5)
+        assert reply["ok"] and [bytes(f) for f in frames] == [b"in time"]
+
+    run(test)
+
+
 def test_a_lane_connected_by_another_process_than_the_worker_it_names_is_closed(run):
     async def test(channel, worker, heard):
         await until(lambda: not channel.lanes._unnamed and worker.lane.recv(1) == b"")
