@@ -176,6 +176,27 @@ def test_the_front_offers_with_its_first_big_frame_then_big_frames_cross_in_the_
     asyncio.run(main())
 
 
+def test_a_reply_with_nothing_for_the_ring_is_handed_back_as_it_was():
+    # The worker sends a reply over its call lane only if outgoing() gave back the very list it got
+    # (workers/loop.py): one that names no ring, as most replies of a worker with rings.
+    async def main():
+        front = FrontRings(4 * BIG, is_busy=lambda peer: False)
+        worker = WorkerRings()
+        field, payloads = front_sends(front, [os.urandom(BIG)])
+        worker.receive(field, payloads)
+        accepting = [protocol.reply(1), b"small"]
+        assert worker.outgoing(accepting) is not accepting, "it says it accepted the offer"
+        big = [protocol.reply(2), os.urandom(BIG)]
+        assert worker.outgoing(big) is not big
+        small = [protocol.reply(3), b"small"]
+        assert worker.outgoing(small) is small
+        front.close()
+        assert worker.pair is not None
+        worker.pair.close()
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_cannot_map_the_offer_keeps_to_the_socket_and_is_not_asked_again():
     front = FrontRings(4 * BIG, is_busy=lambda peer: False)
     worker = WorkerRings()

@@ -232,11 +232,11 @@ class WorkerRings:
         said, self._to_say = self._to_say, {}
         pair = self.pair
         if pair is not None:
-            frames, in_ring = put_in(pair.to_front, frames, first=1)
+            moved, in_ring = put_in(pair.to_front, frames, first=1)
             if in_ring:
-                said["frames"] = in_ring
+                frames, said["frames"] = moved, in_ring
         if not said:
-            return frames
+            return frames  # the very list: workers/loop.py sends it over the lane
         header = msgpack.unpackb(frames[0])
         header[FIELD] = said
         return [protocol.pack_fields(header), *frames[1:]]
