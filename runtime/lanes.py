@@ -25,6 +25,10 @@ log = logging.getLogger("mesh.lanes")
 
 # Connections the kernel queues until the event loop accepts them: every spare connects as it starts.
 BACKLOG = 512
+# How long the front stops accepting lanes after it could not (out of descriptors): the connection
+# waits in the backlog meanwhile, and its worker sends over it, so it is accepted once it can be;
+# watched, the listening socket would wake the loop on every turn till then.
+ACCEPT_PAUSE_SECONDS = 0.5
 _PEER_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 # on_message(worker identity, [header frame, *payload frames])
@@ -110,12 +114,20 @@ class FrontLanes:
                 lane, _ = self._listening.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as error:  # out of descriptors: that worker goes without a lane
-                log.warning("could not accept a worker's call lane: %s", error)
+            except OSError as error:  # out of descriptors
+                log.warning(
+                    "could not accept a worker's call lane (again in %g s): %s", ACCEPT_PAUSE_SECONDS, error
+                )
+                self._loop.remove_reader(self._listening.fileno())
+                self._loop.call_later(ACCEPT_PAUSE_SECONDS, self._accept_again)
                 return
             lane.setblocking(False)
             self._unnamed.add(lane)
             self._loop.add_reader(lane.fileno(), self._name, lane)
+
+    def _accept_again(self) -> None:
+        if self._loop is not None and self._listening is not None:  # not closed meanwhile
+            self._loop.add_reader(self._listening.fileno(), self._accept)
 
     def _name(self, lane: socket.socket) -> None:
         """The lane's first packet names its worker."""

@@ -4,6 +4,7 @@ SOCK_SEQPACKET connection, everything else over the worker socket, in the order 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ from harness import Runtime, mesh_headers
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.admin import cli
 from runtime.channel import Channel, PeerGone
+from runtime.lanes import FrontLanes
 from workers import lanes, protocol
 from workers.holding import Holdings
 from workers.inbox import Inbox
@@ -242,6 +244,36 @@ def test_a_lane_connected_by_another_process_than_the_worker_it_names_is_closed(
         await asyncio.wait_for(future, 5)
 
     run(test, pid_of=lambda peer: os.getpid() + 1)
+
+
+def test_a_front_out_of_descriptors_accepts_the_lane_later_without_spinning(tmp_path, monkeypatch, caplog):
+    failures = []
+
+    def out_of_descriptors(sock):
+        failures.append(sock)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    async def main():
+        heard: list[bytes] = []
+        front = FrontLanes(
+            str(tmp_path / "lanes.sock"), lambda peer, frames: heard.append(peer), lambda p: None
+        )
+        front.start()
+        monkeypatch.setattr(socket.socket, "accept", out_of_descriptors)
+        lane = lanes.connect(front.path, b"w1")
+        assert lane is not None, "queued in the backlog: the worker takes it for a lane"
+        try:
+            await asyncio.sleep(0.2)
+            assert len(failures) == 1, "the listening socket is not watched while nothing can be accepted"
+            monkeypatch.undo()
+            assert lanes.send(lane, [protocol.reply(1), b"done"])
+            await until(lambda: heard == [b"w1"])  # the worker's reply is read once it is accepted
+        finally:
+            lane.close()
+            front.close()
+
+    asyncio.run(main())
+    assert sum("could not accept" in record.getMessage() for record in caplog.records) == 1
 
 
 def test_a_lane_that_cannot_listen_leaves_the_socket_to_do_it_all(tmp_path):
