@@ -364,6 +364,20 @@ def test_a_model_that_batches_no_rows_takes_one_message_a_wake(inbox):
     assert ids(box.take(wait_ready(box, [box.lane_fd]))) == [2]
 
 
+def test_a_lane_the_front_keeps_full_does_not_hold_back_a_socket_message(inbox):
+    box, front, front_end = inbox
+    for request_id in (1, 2):
+        assert lanes.send(front_end, call(request_id))
+    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m")])
+    wait_ready(box, [box.socket])
+    taken: list[int] = []
+    for request_id in range(4, 10):  # each answer frees a slot, which the front fills at once
+        taken += ids(box.take(wait_ready(box, [box.lane_fd])))
+        assert lanes.send(front_end, call(request_id))
+    assert 3 in taken, f"the drop never taken, only calls: {taken}"
+    assert taken.index(3) == 2, "after the calls sent before it"
+
+
 def test_a_worker_whose_lane_the_front_closed_goes_on_over_its_socket(inbox):
     box, front, front_end = inbox
     front_end.close()

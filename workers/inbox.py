@@ -10,7 +10,8 @@ A worker of a row-wise model takes every message already queued before it
 polls again, so calls that arrived together may share one predict
 (workers/batching.py); any other takes one message per wake-up (the next poll
 finds a queued one without waiting), so that the loop stamps its beat between
-two slow calls.
+two slow calls. A wake that finds the socket ready takes its message, after
+all the lane holds: a lane a busy front keeps full must not hold it back.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ class Inbox:
         """The messages to handle now, in order, given what the poll found `ready`."""
         messages: list[Message] = []
         every = self.models.batches_rows
-        if self.socket in ready:  # first: a lane never idle would keep a load or a drop waiting
+        if self.socket in ready:
+            # Taken at every wake that finds it ready: a busy front refills the lane faster than
+            # one message a wake empties it, and a drop or a load would wait behind it for ever.
             from_socket = self._from_socket()
-            messages = self._from_lane(every=True) + from_socket  # sent over the lane before those
+            messages = self._from_lane(every=True)  # sent over the lane before those: first
+            messages += from_socket
         elif self.lane_fd in ready:
             messages = self._from_lane(every)
             if every and messages and self._wait_for_another(messages[-1][0], len(messages)):
