@@ -188,6 +188,10 @@ class Channel:
                     fields[rings.FIELD], lanes = ring, None
             header = protocol.header_of(op, request_id, fields)  # fields: ours
             if lanes is None or not lanes.send(peer, (header, *payloads)):
+                if self.lanes is not None and (sent := self.lanes.sent(peer)):
+                    # What went over the lane before it the worker takes first (workers/inbox.py).
+                    fields[protocol.LANE_FIELD] = sent
+                    header = protocol.header_of(op, request_id, fields)
                 self.send(peer, header, payloads)
         except PeerGone as gone:
             self._end(request_id, error=gone)

@@ -77,6 +77,11 @@ class FrontLanes:
         self._counts[peer][0] += 1
         return True
 
+    def sent(self, peer: bytes) -> int:
+        """The messages sent over the worker's lane so far (0 without one)."""
+        counts = self._counts.get(peer)
+        return 0 if counts is None else counts[0]
+
     def messages(self, peer: bytes) -> list[int] | None:
         """[to it, from it]: the messages that crossed the worker's lane; None if it has none."""
         counts = self._counts.get(peer)

@@ -159,6 +159,18 @@ def test_a_call_too_big_for_the_lane_goes_over_the_socket(run):
     run(test)
 
 
+def test_a_socket_message_says_how_many_went_over_the_lane_before_it(run):
+    async def test(channel, worker, heard):
+        await lane_named(channel)
+        channel.submit(b"w1", protocol.OP_CALL, [b"a"], method="m", deadline=None)
+        channel.submit(b"w1", protocol.OP_CALL, [bytes(lanes.LANE_MESSAGE_MAX)], method="m", deadline=None)
+        assert worker.take_from_lane()[0]["id"] == 1
+        header, _ = worker.take_from_socket()
+        assert header["id"] == 2 and header[protocol.LANE_FIELD] == 1
+
+    run(test)
+
+
 def test_calls_the_full_lane_cannot_take_go_over_the_socket(run):
     async def test(channel, worker, heard):
         await lane_named(channel)
@@ -341,7 +353,7 @@ def wait_ready(box: Inbox, want) -> list:
 def test_a_socket_message_is_taken_after_what_the_lane_held_before_it(inbox):
     box, front, front_end = inbox
     assert lanes.send(front_end, call(1))
-    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 2, model="m")])
+    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 2, model="m", lane=1)])
     wait_ready(box, [box.socket])
     assert ids(box.take([box.socket])) == [1, 2], "the drop only after the call sent before it"
 
@@ -350,9 +362,23 @@ def test_a_load_or_a_drop_waits_for_no_lane_that_never_idles(inbox):
     box, front, front_end = inbox
     for request_id in (1, 2):
         assert lanes.send(front_end, call(request_id))
-    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m")])
+    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m", lane=2)])
     ready = wait_ready(box, [box.lane_fd, box.socket])
     assert ids(box.take(ready)) == [1, 2, 3], "the drop now, after the calls sent before it"
+
+
+def test_a_call_over_the_socket_is_not_overtaken_by_those_sent_after_it_over_the_lane(inbox):
+    box, front, front_end = inbox
+    assert lanes.send(front_end, call(1))
+    header, body = call(2)
+    front.send_multipart([b"w1", protocol.header(protocol.OP_CALL, 2, method="m", lane=1), body])
+    wait_ready(box, [box.socket])
+    for request_id in (3, 4):
+        assert lanes.send(front_end, call(request_id))
+    taken: list[int] = []
+    while len(taken) < 4:
+        taken += ids(box.take(wait_ready(box, [])))
+    assert taken == [1, 2, 3, 4]
 
 
 def test_a_model_that_batches_no_rows_takes_one_message_a_wake(inbox):
@@ -368,7 +394,7 @@ def test_a_lane_the_front_keeps_full_does_not_hold_back_a_socket_message(inbox):
     box, front, front_end = inbox
     for request_id in (1, 2):
         assert lanes.send(front_end, call(request_id))
-    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m")])
+    front.send_multipart([b"w1", protocol.header(protocol.OP_DROP, 3, model="m", lane=2)])
     wait_ready(box, [box.socket])
     taken: list[int] = []
     for request_id in range(4, 10):  # each answer frees a slot, which the front fills at once

@@ -3,15 +3,17 @@
 Small calls come over the lane (workers/lanes.py); loads, drops, big calls
 and any message the lane could not take at once come over the ZeroMQ socket.
 Whatever the front put on the lane before a socket message is on the lane
-before that message arrives, so a socket message is handled only after the
-lane has been drained: calls sent before a drop are answered before it.
+before that message arrives, and the socket message says how many that was
+(its `lane` field): those are taken before it, the ones sent after it after
+it. So calls sent before a drop are answered before it, and a worker runs
+its calls in the order sent, as the front's overdue clocks take it to.
 
 A worker of a row-wise model takes every message already queued before it
 polls again, so calls that arrived together may share one predict
 (workers/batching.py); any other takes one message per wake-up (the next poll
 finds a queued one without waiting), so that the loop stamps its beat between
-two slow calls. A wake that finds the socket ready takes its message, after
-all the lane holds: a lane a busy front keeps full must not hold it back.
+two slow calls. A wake that finds the socket ready takes its message: a lane
+a busy front keeps full must not hold it back.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Inbox:
         self.batch_max = batch_max
         self.batch_wait = batch_wait
         self.last_batch = 0  # messages taken at the last wake-up
+        self.lane_taken = 0  # packets taken from the lane, as the front counts those it sent
 
     def waited_on(self) -> list[Any]:
         """What the worker's poll waits on for messages: the socket, and the lane's descriptor."""
@@ -66,9 +69,9 @@ class Inbox:
         if self.socket in ready:
             # Taken at every wake that finds it ready: a busy front refills the lane faster than
             # one message a wake empties it, and a drop or a load would wait behind it for ever.
-            from_socket = self._from_socket()
-            messages = self._from_lane(every=True)  # sent over the lane before those: first
-            messages += from_socket
+            messages = self._from_socket()
+            if every:
+                messages += self._from_lane(every=True)
         elif self.lane_fd in ready:
             messages = self._from_lane(every)
             if every and messages and self._wait_for_another(messages[-1][0], len(messages)):
@@ -83,6 +86,7 @@ class Inbox:
         if packets is None:  # the front closed it: it is gone or going (workers/frontwatch.py sees to that)
             self._close_lane()
             return []
+        self.lane_taken += len(packets)
         messages = []
         for data in packets:
             try:
@@ -105,6 +109,7 @@ class Inbox:
         waited = False
         while True:
             header, *payloads = protocol.receive_frames(self.socket, copied=1)
+            messages += self._sent_before(header)
             # Views of ZeroMQ's buffers: arrays are built over them without a copy.
             messages.append((header, [frame.buffer for frame in payloads]))
             self.note_sizes(payloads)
@@ -117,6 +122,23 @@ class Inbox:
                 waited = True  # once a wake-up
                 if not protocol.readable(self.socket):
                     break
+        return messages
+
+    def _sent_before(self, header: bytes) -> list[Message]:
+        """The lane's messages the front sent before the socket message of `header`, which come
+        first: the front takes a worker to begin its calls in the order sent (its overdue clocks)."""
+        if self.lane is None:
+            return []
+        try:
+            sent = protocol.parse_header(header).get(protocol.LANE_FIELD, 0)
+        except protocol.ProtocolError:
+            return []  # handle() says what is wrong with it
+        messages: list[Message] = []
+        while self.lane is not None and self.lane_taken < sent:
+            taken = self.lane_taken
+            messages += self._from_lane(every=False)
+            if self.lane_taken == taken:  # sent before the socket message, so always there
+                break
         return messages
 
     def _wait_for_another(self, header: bytes, held: int) -> bool:

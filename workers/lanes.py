@@ -16,11 +16,12 @@ message the lane cannot take at once (its socket buffer full, the lane
 closed), over the worker socket. So the worker socket alone is always enough,
 and a lane only saves work.
 
-Order across the two: the receiver of a message from the worker socket first
-drains the lane, so that what was sent over the lane before it is handled
-before it (calls sent before a drop are answered before the drop runs;
-replies sent before a drop's reply reach the front before it). Calls between
-themselves need no order.
+Order across the two: what was sent over the lane before a message over the
+worker socket is handled before it. The worker takes as many lane messages
+first as the socket message's `lane` field says the front had sent (calls
+sent before a drop are answered before it runs; a big call is not overtaken
+by the small ones sent after it). The front drains the lane before a socket
+message (replies sent before a drop's reply reach the front before it).
 
 A packet: one byte, the number of frames n; n little-endian u32 sizes; the
 frames back to back.

@@ -37,7 +37,10 @@ Messages:
                              field (raw tensors travel as their own frames)
 
 Any message with payloads may carry the header field `ring`: its big
-payload frames are then in shared memory instead (workers/rings.py).
+payload frames are then in shared memory instead (workers/rings.py). A
+message the front sends over the socket to a worker with a call lane carries
+`lane`: how many messages it sent over the lane before it (workers/lanes.py),
+which the worker takes first.
 
 A failed reply names an error kind (ERROR_* below); the front turns kinds
 into gRPC status codes in exactly one place (runtime/status.py).
@@ -70,6 +73,7 @@ OP_DROP = "drop"
 OP_CALL = "call"
 OP_REPLY = "reply"
 OPS = frozenset({OP_HELLO, OP_LOAD, OP_DROP, OP_CALL, OP_REPLY})
+LANE_FIELD = "lane"  # in a socket message: the messages sent over the call lane before it
 
 # Error kinds a worker may put in a failed reply.
 ERROR_LOAD = "load"  # the model's code raised while loading
