@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 from harness import Runtime, mesh_headers
+from test_channel import until
 
 from protos import grpc_predict_v2_pb2 as v2
 from runtime.admin import cli
@@ -89,14 +90,6 @@ class LaneWorker:
             self.lane.close()
         self.socket.close(linger=0)
         self.context.term()
-
-
-async def until(condition, seconds: float = 5.0) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 @pytest.fixture
