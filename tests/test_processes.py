@@ -666,6 +666,7 @@ def test_runtime_socket_path_lets_model_mesh_connect_under_another_uid(tmp_path)
 def test_a_front_stops_cleanly_though_its_fork_server_is_stopped():
     with Runtime() as runtime:
         runtime.load("m", runtime.model_dir("m"))
+        runtime.settled_uss()  # the spare the load took is replaced: no start waits on the fork server
         processes = tree(runtime.pid)
         (server,) = runtime.forkservers()
         server.suspend()  # it writes no worker's exit until it is killed
