@@ -264,8 +264,15 @@ class ForkServers:
     def _revive(self, group: str, identity: tuple[int, int]) -> bool:
         if identity in self._dead:
             return True
-        if self._identities.get(group) != identity or not lifeline.is_exiting(identity):
+        if self._identities.get(group) != identity:
             return False
+        if not lifeline.is_exiting(identity):
+            if lifeline.is_running(identity):
+                return False
+            # Gone already: a start on the group's own thread found it dead, and multiprocessing
+            # reaped it as it started another (_note_pid() tells once that has imported).
+            self._dead.add(identity)
+            return True
         pid, _ = identity
         try:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it is a zombie, not reaping it

@@ -124,6 +124,22 @@ def test_a_start_right_after_the_fork_server_was_killed_gets_another(tmp_path):
         servers.stop()
 
 
+def test_a_fork_server_reaped_by_a_start_elsewhere_is_dead_for_its_workers_exits(tmp_path, monkeypatch):
+    # A start on the group's thread found it killed, and multiprocessing reaped it while starting
+    # another: a worker's exit read meanwhile must still be its fork server's death, not a crash.
+    servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), Records())
+    try:
+        servers.start_all()
+        identity = servers.identity_of(forkserver.BASE_GROUP)
+        assert identity is not None and not servers.revive_if_dead(forkserver.BASE_GROUP, identity)
+        monkeypatch.setattr(forkserver.lifeline, "is_exiting", lambda identity: False)
+        monkeypatch.setattr(forkserver.lifeline, "is_running", lambda identity: False)  # no /proc entry
+        assert servers.revive_if_dead(forkserver.BASE_GROUP, identity)
+    finally:
+        monkeypatch.undo()
+        servers.stop()
+
+
 def test_a_fork_server_started_again_gets_the_time_to_import_its_preload_until_it_has_forked(tmp_path):
     records = Records()
     servers = forkserver.ForkServers(("numpy",), str(tmp_path), ("info", "text"), records)
