@@ -44,7 +44,7 @@ class _Request:
     is still busy with it.
     """
 
-    __slots__ = ("peer", "future", "on_end", "overdue", "timer", "model")
+    __slots__ = ("peer", "future", "on_end", "overdue", "timer", "model", "over_socket")
 
     def __init__(
         self,
@@ -57,6 +57,7 @@ class _Request:
         self.overdue = overdue  # (seconds after the worker begins it, the error to end it with then)
         self.timer: asyncio.TimerHandle | None = None  # armed once the worker has begun it
         self.model: str | None = None  # a call's model
+        self.over_socket = False  # a call sent over the socket to a worker with a lane
 
 
 class Channel:
@@ -95,6 +96,9 @@ class Channel:
         self._ids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
         self._by_peer: dict[bytes, dict[int, None]] = {}  # in the order sent
+        # Workers with a lane and calls sent them over the socket, unanswered: how many. Their next
+        # calls follow over the socket, which keeps them in order behind those (the lane would not).
+        self._socket_calls: dict[bytes, int] = {}
         self.runs_at_once = runs_at_once  # requests a worker runs at a time (WORKER_THREADS)
         self._timed = 0  # requests pending with an overdue timer to arm (WORKER_REQUEST_TIMEOUT_MS)
         self._fd = self._socket.fileno()  # what getsockopt(zmq.FD) returns, typed int rather than int | bytes
@@ -181,17 +185,20 @@ class Channel:
             self._timed += 1
             self._start_clocks(peer)
         try:
-            lanes = self.lanes if op == protocol.OP_CALL else None  # loads and drops: the socket
+            # Loads and drops go over the socket, and calls behind one sent over it.
+            lanes = self.lanes if op == protocol.OP_CALL and peer not in self._socket_calls else None
             if peer in self.rings.owed or _reaches(payloads, self.rings.threshold):
                 payloads, ring = self.rings.outgoing(peer, payloads)
                 if ring is not None:  # the ring's order is the socket's (workers/rings.py)
                     fields[rings.FIELD], lanes = ring, None
             header = protocol.header_of(op, request_id, fields)  # fields: ours
             if lanes is None or not lanes.send(peer, (header, *payloads)):
-                if self.lanes is not None and (sent := self.lanes.sent(peer)):
-                    # What went over the lane before it the worker takes first (workers/inbox.py).
-                    fields[protocol.LANE_FIELD] = sent
-                    header = protocol.header_of(op, request_id, fields)
+                if self.lanes is not None and self.lanes.has(peer):
+                    self._note_over_socket(request, op)
+                    if sent := self.lanes.sent(peer):
+                        # What went over the lane before it the worker takes first (workers/inbox.py).
+                        fields[protocol.LANE_FIELD] = sent
+                        header = protocol.header_of(op, request_id, fields)
                 self.send(peer, header, payloads)
         except PeerGone as gone:
             self._end(request_id, error=gone)
@@ -262,6 +269,10 @@ class Channel:
                 del self._by_peer[request.peer]
         if request.timer is not None:
             request.timer.cancel()
+        if request.over_socket:
+            self._socket_calls[request.peer] -= 1
+            if not self._socket_calls[request.peer]:
+                del self._socket_calls[request.peer]
         if request.overdue is not None:
             self._timed -= 1
         if self._timed:
@@ -274,6 +285,12 @@ class Channel:
                 future.set_result(result)
             else:
                 future.set_exception(error)
+
+    def _note_over_socket(self, request: _Request, op: str) -> None:
+        """A call goes over the socket to a worker with a lane (too big, or the lane full)."""
+        if op == protocol.OP_CALL:
+            request.over_socket = True
+            self._socket_calls[request.peer] = self._socket_calls.get(request.peer, 0) + 1
 
     def _drain(self) -> None:
         while protocol.readable(self._socket):

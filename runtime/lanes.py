@@ -77,6 +77,10 @@ class FrontLanes:
         self._counts[peer][0] += 1
         return True
 
+    def has(self, peer: bytes) -> bool:
+        """Whether the worker has a lane (named, not closed)."""
+        return peer in self._lanes
+
     def sent(self, peer: bytes) -> int:
         """The messages sent over the worker's lane so far (0 without one)."""
         counts = self._counts.get(peer)

@@ -164,6 +164,29 @@ def test_a_socket_message_says_how_many_went_over_the_lane_before_it(run):
     run(test)
 
 
+def test_calls_behind_one_sent_over_the_socket_follow_it_there_until_it_is_answered(run):
+    # Over the lane they could reach the worker before it, which would run them first.
+    async def test(channel, worker, heard):
+        await lane_named(channel)
+        big = channel.submit(
+            b"w1", protocol.OP_CALL, [bytes(lanes.LANE_MESSAGE_MAX)], method="m", deadline=None
+        )
+        small = channel.submit(b"w1", protocol.OP_CALL, [b"small"], method="m", deadline=None)
+        assert [worker.take_from_socket()[1][-1] == b"small" for _ in range(2)] == [False, True]
+        assert lanes.receive_one(worker.lane) == [], "nothing over the lane"
+        for future in (big, small):
+            request_id = next(iter(channel._pending))
+            worker.answer_over_lane(request_id)
+            await asyncio.wait_for(future, 5)
+        after = channel.submit(b"w1", protocol.OP_CALL, [b"after"], method="m", deadline=None)
+        header, payloads = worker.take_from_lane()
+        assert payloads == [b"after"]
+        worker.answer_over_lane(header["id"])
+        await asyncio.wait_for(after, 5)
+
+    run(test)
+
+
 def test_calls_the_full_lane_cannot_take_go_over_the_socket(run):
     async def test(channel, worker, heard):
         await lane_named(channel)

@@ -20,8 +20,9 @@ Order across the two: what was sent over the lane before a message over the
 worker socket is handled before it. The worker takes as many lane messages
 first as the socket message's `lane` field says the front had sent (calls
 sent before a drop are answered before it runs; a big call is not overtaken
-by the small ones sent after it). The front drains the lane before a socket
-message (replies sent before a drop's reply reach the front before it).
+by the small ones sent after it, which follow it over the socket until it is
+answered). The front drains the lane before a socket message (replies sent
+before a drop's reply reach the front before it).
 
 A packet: one byte, the number of frames n; n little-endian u32 sizes; the
 frames back to back.
