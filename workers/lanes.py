@@ -108,17 +108,9 @@ def send(sock: socket.socket, frames: Sequence[Any]) -> bool:
 def receive(sock: socket.socket) -> list[bytes] | None:
     """The packets waiting on the lane ([] if none); None once the other end has closed it."""
     packets: list[bytes] = []
-    while True:
-        try:
-            data = sock.recv(RECEIVE_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return packets
-        except OSError as error:
-            log.debug("a lane's receive failed: %s", error)
-            return None if not packets else packets
-        if not data:
-            return None if not packets else packets
-        packets.append(data)
+    while got := receive_one(sock):
+        packets += got
+    return None if got is None and not packets else packets
 
 
 def receive_one(sock: socket.socket) -> list[bytes] | None:
