@@ -130,6 +130,7 @@ def test_a_fork_the_kernel_refuses_fails_that_start_alone_and_the_fork_server_li
     with Runtime(WORKERS_WARM="1", **env) as rt:
         folder = rt.model_dir("echo")
         rt.load("first", folder)
+        rt.settled_uss()  # the spare "first" took is replaced before forks are refused
         forkserver = rt.forkservers()[0].pid
         refuse.touch()
         rt.load("second", folder)  # takes the spare; its refill is refused
